@@ -1,0 +1,11 @@
+import os
+
+# Triton kernels run in the interpreter when no GPU is present; this must be set before triton is imported.
+try:
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+except ImportError:
+    pass
+os.environ.setdefault("MASTER_ADDR", "127.0.0.1")

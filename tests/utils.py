@@ -1,0 +1,46 @@
+"""Shared test helpers: relative-RMS comparison, NaN-poisoned buffers, device selection."""
+import os
+
+import pytest
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+requires_gpu = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (none found)")
+
+
+def rel_rms_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """||actual - expected|| / ||expected|| computed in float64 (0 when both are all zero)."""
+    a = actual.detach().double().cpu()
+    e = expected.detach().double().cpu()
+    if a.shape != e.shape:
+        raise AssertionError(f"shape mismatch: {tuple(a.shape)} vs {tuple(e.shape)}")
+    if not torch.isfinite(a).all():
+        return float("inf")
+    denom = e.norm().item()
+    num = (a - e).norm().item()
+    if denom == 0.0:
+        return num
+    return num / denom
+
+
+def assert_close(actual, expected, tol: float, name: str = "tensor") -> None:
+    """Fail when the relative RMS error exceeds `tol` (NaN or Inf in `actual` always fails)."""
+    err = rel_rms_error(actual, expected)
+    assert err <= tol, f"{name}: relative RMS error {err:.3e} > tolerance {tol:.1e}"
+
+
+def poisoned_empty(*shape, dtype=torch.float32, device="cpu") -> torch.Tensor:
+    """torch.empty filled with NaN, so an element a kernel forgets to write fails the comparison."""
+    return torch.full(shape, float("nan"), dtype=dtype, device=device)
+
+
+def test_device() -> str:
+    """'cuda' when present, else 'cpu' (Triton kernels then run under TRITON_INTERPRET=1)."""
+    return "cuda" if HAS_CUDA else "cpu"
+
+
+test_device.__test__ = False
+
+
+def interpret_mode() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
