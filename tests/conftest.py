@@ -9,3 +9,5 @@ try:
 except ImportError:
     pass
 os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+
+from tests.utils import nan_empty  # noqa: E402,F401  (fixture)
