@@ -1,0 +1,84 @@
+"""Shared timing and reporting helpers for tools/bench_*.py (GPU benchmarks; CUDA events via Triton's do_bench)."""
+import datetime
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import torch
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+
+def git_commit() -> str:
+    env_commit = os.environ.get("MEGAHYBRID_COMMIT")
+    if env_commit:
+        return env_commit
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True)
+        return out.stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def gpu_name() -> str:
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+
+
+def time_ms(fn, warmup_ms: float = 50, rep_ms: float = 200) -> float:
+    """Median milliseconds of fn() measured with CUDA events (triton.testing.do_bench)."""
+    import triton.testing
+
+    return float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
+
+
+def peak_memory_mib(fn) -> float:
+    """Peak allocated CUDA memory above the pre-call level while running fn() once, in MiB."""
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2**20
+
+
+def matmul_peak_tflops(n: int = 8192) -> float:
+    """Measured bf16 matmul rate on random data, the ceiling that MFU is quoted against."""
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    ms = time_ms(lambda: a @ b)
+    return 2 * n**3 / (ms * 1e-3) / 1e12
+
+
+def format_table(rows: list[dict]) -> str:
+    if not rows:
+        return "(no rows)"
+    cols = list(rows[0].keys())
+    cells = [[_fmt(r.get(c, "")) for c in cols] for r in rows]
+    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(cols)]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(cols, widths))]
+    lines += ["  ".join(v.rjust(w) for v, w in zip(row, widths)) for row in cells]
+    return "\n".join(lines)
+
+
+def _fmt(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return str(v)
+
+
+def save_results(name: str, rows: list[dict], extra: dict | None = None) -> Path:
+    """Write tools/results/<name>-<date>.json and .md with date, GPU and commit, return the .md path."""
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    date = datetime.date.today().isoformat()
+    meta = {"date": date, "gpu": gpu_name(), "commit": git_commit(), "torch": torch.__version__}
+    meta.update(extra or {})
+    stem = RESULTS_DIR / f"{name}-{date}"
+    stem.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    header = "\n".join(f"- {k}: {v}" for k, v in meta.items())
+    stem.with_suffix(".md").write_text(f"# {name}\n\n{header}\n\n```\n{format_table(rows)}\n```\n")
+    out_dir = os.environ.get("OUT")
+    if out_dir:
+        for suffix in (".json", ".md"):
+            Path(out_dir, stem.name + suffix).write_text(stem.with_suffix(suffix).read_text())
+    return stem.with_suffix(".md")
