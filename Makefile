@@ -1,0 +1,31 @@
+# Two commands do all set-up on a fresh machine: `make demo` (main job) and `make test` (tests).
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
+export MASTER_ADDR ?= 127.0.0.1
+export PYTHONWARNINGS ?= ignore::UserWarning,ignore::FutureWarning,ignore::DeprecationWarning
+
+.PHONY: setup demo test test-fast clean
+
+setup: $(STAMP)
+
+$(STAMP): requirements-cpu.txt pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -r requirements-cpu.txt
+	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) -m megahybrid.demo
+
+test: $(STAMP)
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not dist and not slow" $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) .cache

@@ -1,0 +1,186 @@
+"""Process bootstrap: launch environment, process groups, seeds, and the CPU redirections megatron-core needs.
+
+This is the only module that reads or writes megatron's global `parallel_state`. Everything else receives a
+`Groups` object built here from a `ParallelLayout`.
+"""
+import contextlib
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from megahybrid.parallel import ParallelLayout
+
+_CPU_REDIRECTED = False
+
+
+class _CpuRNGStatesTracker:
+    """megatron's model-parallel RNG tracker, keeping CPU generator states instead of CUDA ones."""
+
+    def __init__(self, *args, **kwargs):
+        self.reset()
+
+    def reset(self):
+        self.states_, self.seeds_ = {}, set()
+        self._is_initialized = False
+
+    def is_initialized(self):
+        return self._is_initialized
+
+    def get_states(self):
+        return {name: state.clone() for name, state in self.states_.items()}
+
+    def set_states(self, states):
+        self._is_initialized = True
+        self.states_ = {name: state.clone() for name, state in states.items()}
+
+    def add(self, name, seed):
+        self._is_initialized = True
+        if seed in self.seeds_ or name in self.states_:
+            raise RuntimeError(f"RNG tracker: seed {seed} or state {name} already added")
+        self.seeds_.add(seed)
+        saved = torch.get_rng_state()
+        torch.manual_seed(seed)
+        self.states_[name] = torch.get_rng_state()
+        torch.set_rng_state(saved)
+
+    @contextlib.contextmanager
+    def fork(self, name="model-parallel-rng"):
+        saved = torch.get_rng_state()
+        torch.set_rng_state(self.states_[name])
+        try:
+            yield
+        finally:
+            self.states_[name] = torch.get_rng_state()
+            torch.set_rng_state(saved)
+
+
+def apply_cpu_redirections() -> None:
+    """Let megatron-core 0.16 run without CUDA: it asks `torch.cuda.current_device()` for buffer, rotary and
+    sequence-parallel allocations, synchronizes in the checkpoint writer, and keeps CUDA RNG states.
+    Applied only when CUDA is absent; no other module branches on CPU vs GPU."""
+    global _CPU_REDIRECTED
+    if _CPU_REDIRECTED or torch.cuda.is_available():
+        return
+    from megatron.core.tensor_parallel import random as mp_random
+
+    torch.cuda.current_device = lambda: "cpu"
+    torch.cuda.synchronize = lambda *a, **k: None
+    mp_random.CudaRNGStatesTracker = _CpuRNGStatesTracker
+    mp_random._CUDA_RNG_STATE_TRACKER = _CpuRNGStatesTracker()
+    mp_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+    mp_random.initialize_rng_tracker = lambda *a, **k: None
+    _CPU_REDIRECTED = True
+
+
+def device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def resolve_launch_env() -> tuple[int, int, int]:
+    """(rank, world_size, local_rank) from torchrun, srun (SLURM_*) or mpirun (OMPI_*), written back to
+    RANK / WORLD_SIZE / LOCAL_RANK so torch and DeepSpeed read the same values; alone = one rank."""
+    sources = [
+        ("RANK", "WORLD_SIZE", "LOCAL_RANK"),
+        ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"),
+        ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID"),
+        ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"),
+    ]
+    for rank_key, size_key, local_key in sources:
+        if rank_key in os.environ and size_key in os.environ:
+            rank, world = int(os.environ[rank_key]), int(os.environ[size_key])
+            local = int(os.environ.get(local_key, rank))
+            break
+    else:
+        rank, world, local = 0, 1, 0
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(local))
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29500")
+    return rank, world, local
+
+
+@dataclass
+class Groups:
+    """Process groups and ranks of one process under a layout."""
+
+    layout: ParallelLayout
+    rank: int
+    tp_rank: int
+    cp_rank: int
+    dp_rank: int
+    tp_group: object
+    cp_group: object
+    dp_group: object
+    dp_cp_group: object
+
+    @property
+    def is_loss_rank(self) -> bool:
+        """The rank that logs: first of every group."""
+        return self.rank == 0
+
+
+def init_distributed(layout: ParallelLayout, seed: int = 1234, timeout_s: int = 600) -> Groups:
+    """Start torch.distributed (gloo on CPU, nccl on GPU), megatron's model-parallel groups and RNG seeds."""
+    apply_cpu_redirections()
+    rank, world, local = resolve_launch_env()
+    layout.check_world(world)
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local % torch.cuda.device_count())
+    if not dist.is_initialized():
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        dist.init_process_group(backend, rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=timeout_s))
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=layout.tp,
+        pipeline_model_parallel_size=layout.pp,
+        context_parallel_size=layout.cp,
+    )
+    if not torch.cuda.is_available():
+        from megatron.core.tensor_parallel import random as mp_random
+
+        mp_random._CUDA_RNG_STATE_TRACKER.reset()
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    torch.manual_seed(seed)
+    return _current_groups(layout)
+
+
+def _current_groups(layout: ParallelLayout) -> Groups:
+    from megatron.core import parallel_state as ps
+
+    return Groups(
+        layout=layout,
+        rank=dist.get_rank(),
+        tp_rank=ps.get_tensor_model_parallel_rank(),
+        cp_rank=ps.get_context_parallel_rank(),
+        dp_rank=ps.get_data_parallel_rank(),
+        tp_group=ps.get_tensor_model_parallel_group(),
+        cp_group=ps.get_context_parallel_group(),
+        dp_group=ps.get_data_parallel_group(),
+        dp_cp_group=ps.get_data_parallel_group(with_context_parallel=True),
+    )
+
+
+def tensor_parallel_group():
+    """The TP group of this process (for modules megatron builds from a spec, which receive only a config)."""
+    from megatron.core import parallel_state as ps
+
+    return ps.get_tensor_model_parallel_group()
+
+
+def shutdown() -> None:
+    from megatron.core import parallel_state as ps
+
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+

@@ -1,0 +1,1 @@
+"""Model architecture: config and presets, layer specs per mixer, modules."""

@@ -1,0 +1,106 @@
+"""Model configuration: one typed dataclass, a few derived dials, and the presets users start from."""
+import dataclasses
+from dataclasses import dataclass
+
+from megahybrid.errors import ConfigError
+
+
+@dataclass
+class ModelConfig:
+    """Llama-style decoder. `pattern` has one character per mixer kind (see megahybrid.model.specs.MIXERS);
+    a pattern shorter than num_layers is tiled ("IIIS" x 6 = 24 layers)."""
+
+    num_layers: int = 2
+    hidden_size: int = 64
+    num_heads: int = 4
+    num_kv_heads: int | None = None
+    ffn_hidden_size: int | None = None
+    vocab_size: int = 512
+    seq_length: int = 128
+    pattern: str = "S"
+    tie_embeddings: bool = False
+    rope_base: float = 10000.0
+    norm_eps: float = 1e-5
+    init_std: float = 0.02
+    mixer_chunk_size: int = 64
+
+    def __post_init__(self):
+        self.validate()
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_heads if self.num_kv_heads is None else self.num_kv_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def ffn_size(self) -> int:
+        """SwiGLU width: 8/3 of d_model rounded up to a multiple of 256 (Llama), unless given."""
+        if self.ffn_hidden_size is not None:
+            return self.ffn_hidden_size
+        return -(-(8 * self.hidden_size // 3) // 256) * 256
+
+    @property
+    def layer_pattern(self) -> str:
+        """The per-layer mixer string, num_layers long."""
+        return self.pattern * (self.num_layers // len(self.pattern))
+
+    def validate(self) -> None:
+        for name in ("num_layers", "hidden_size", "num_heads", "vocab_size", "seq_length"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"model.{name}={getattr(self, name)} must be >= 1")
+        if self.hidden_size % self.num_heads:
+            raise ConfigError(
+                f"model.hidden_size={self.hidden_size} is not divisible by model.num_heads={self.num_heads}; "
+                "change one of them"
+            )
+        if self.kv_heads < 1 or self.num_heads % self.kv_heads:
+            raise ConfigError(
+                f"model.num_kv_heads={self.kv_heads} must divide model.num_heads={self.num_heads} (GQA groups)"
+            )
+        if not self.pattern:
+            raise ConfigError('model.pattern is empty; use e.g. "S" (all softmax) or "IIIS"')
+        from megahybrid.model.specs import mixer_for
+
+        for char in dict.fromkeys(self.pattern):
+            mixer_for(char)
+        if self.num_layers % len(self.pattern):
+            raise ConfigError(
+                f"model.pattern {self.pattern!r} (length {len(self.pattern)}) does not tile "
+                f"model.num_layers={self.num_layers}; give a pattern whose length divides num_layers"
+            )
+
+    def replace(self, **overrides) -> "ModelConfig":
+        known = {f.name for f in dataclasses.fields(self)}
+        unknown = sorted(set(overrides) - known)
+        if unknown:
+            raise ConfigError(f"unknown model field(s) {unknown}; known fields: {sorted(known)}")
+        return dataclasses.replace(self, **overrides)
+
+
+# Llama proportions; parameter counts (vocab 32000, untied) are in docs and checked by tests/test_model.py.
+PRESETS: dict[str, ModelConfig] = {
+    "tiny": ModelConfig(num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, vocab_size=512, seq_length=128),
+    "125m": ModelConfig(num_layers=12, hidden_size=768, num_heads=12, vocab_size=32000, seq_length=4096),
+    "350m": ModelConfig(num_layers=24, hidden_size=1024, num_heads=16, vocab_size=32000, seq_length=4096),
+    "760m": ModelConfig(num_layers=24, hidden_size=1536, num_heads=12, vocab_size=32000, seq_length=4096),
+    "1.3b": ModelConfig(num_layers=24, hidden_size=2048, num_heads=16, vocab_size=32000, seq_length=4096),
+}
+
+
+def preset(name: str, **overrides) -> ModelConfig:
+    if name not in PRESETS:
+        raise ConfigError(f"unknown model preset {name!r}; choose one of {sorted(PRESETS)}")
+    return PRESETS[name].replace(**overrides) if overrides else dataclasses.replace(PRESETS[name])
+
+
+def count_parameters(cfg: ModelConfig) -> int:
+    """Analytic parameter count of the softmax model (norm weights included), independent of parallelism."""
+    d, hd = cfg.hidden_size, cfg.head_dim
+    attn = d * (cfg.num_heads + 2 * cfg.kv_heads) * hd + cfg.num_heads * hd * d
+    mlp = 3 * d * cfg.ffn_size
+    per_layer = attn + mlp + 2 * d
+    embeddings = cfg.vocab_size * d * (1 if cfg.tie_embeddings else 2)
+    return cfg.num_layers * per_layer + embeddings + d

@@ -1,0 +1,74 @@
+"""Build the decoder on megatron-core's GPTModel from a ModelConfig, a layout and a precision.
+
+Model code holds architecture only; parallel wrapping, checkpointing and compile are applied by the trainer.
+"""
+import torch
+import torch.nn.functional as F
+from megatron.core.models.gpt import GPTModel
+from megatron.core.transformer import TransformerConfig
+
+from megahybrid.errors import LayoutError
+from megahybrid.model.config import ModelConfig
+from megahybrid.model.specs import block_spec, max_chunk_size
+from megahybrid.parallel import ParallelLayout
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def transformer_config(cfg: ModelConfig, layout: ParallelLayout, precision: str = "fp32") -> TransformerConfig:
+    dtype = DTYPES[precision]
+    return TransformerConfig(
+        num_layers=cfg.num_layers,
+        hidden_size=cfg.hidden_size,
+        num_attention_heads=cfg.num_heads,
+        num_query_groups=cfg.kv_heads,
+        ffn_hidden_size=cfg.ffn_size,
+        kv_channels=cfg.head_dim,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        normalization="RMSNorm",
+        layernorm_epsilon=cfg.norm_eps,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        init_method_std=cfg.init_std,
+        tensor_model_parallel_size=layout.tp,
+        context_parallel_size=layout.cp,
+        sequence_parallel=layout.sequence_parallel,
+        # Initialize every full weight on the CPU from one seed, then shard: the same model for any TP size.
+        use_cpu_initialization=True,
+        params_dtype=dtype,
+        bf16=precision == "bf16",
+        pipeline_dtype=dtype,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
+        gradient_accumulation_fusion=False,
+    )
+
+
+def build_model(cfg: ModelConfig, layout: ParallelLayout, precision: str = "fp32") -> GPTModel:
+    """The decoder for this rank's shard, on the current device. forward(tokens, labels) -> per-token loss [b, s]."""
+    layout.check_model(cfg.num_heads, cfg.kv_heads, cfg.seq_length, max_chunk_size(cfg.pattern))
+    if layout.cp > 1 and "S" in cfg.pattern:
+        raise LayoutError("context parallelism for softmax layers is not available yet; set parallel.cp=1")
+    model = GPTModel(
+        config=transformer_config(cfg, layout, precision),
+        transformer_layer_spec=block_spec(cfg.layer_pattern),
+        vocab_size=cfg.vocab_size,
+        max_sequence_length=cfg.seq_length,
+        share_embeddings_and_output_weights=cfg.tie_embeddings,
+        position_embedding_type="rope",
+        rotary_base=int(cfg.rope_base),
+    )
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    return model.to(device)
+
+
+def lm_loss(model: GPTModel, tokens: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross entropy over unmasked tokens of this rank's micro-batch."""
+    per_token = model(input_ids=tokens, position_ids=None, attention_mask=None, labels=labels)
+    mask = loss_mask.to(per_token.dtype)
+    return (per_token.float() * mask).sum() / mask.sum().clamp(min=1)
