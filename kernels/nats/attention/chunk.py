@@ -1,0 +1,368 @@
+"""Triton kernels for attention over selected chunks: FlashAttention-2 forward and backward with block skipping.
+
+A query chunk i visits only the kept chunks before it (a per-(b, h) list of kept chunk indices built with torch
+ops, no host sync) plus its own chunk under a causal mask, so the cost scales with the kept fraction. The
+backward recomputes P from the saved log-sum-exp and accumulates the keep gradient, Σ dS over the scores of
+a kept chunk's keys seen from later chunks, in the same pass that builds dK and dV.
+"""
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _load_rows(ptr, rows, o_d, m_rows, m_d, stride_t, TRANS: tl.constexpr):
+    # A [rows, D] tile, or its transpose [D, rows] read through transposed pointers when TRANS.
+    if TRANS:
+        return tl.load(ptr + rows[None, :] * stride_t + o_d[:, None], mask=m_d[:, None] & m_rows[None, :], other=0.0)
+    return tl.load(ptr + rows[:, None] * stride_t + o_d[None, :], mask=m_rows[:, None] & m_d[None, :], other=0.0)
+
+
+@triton.jit
+def _online_softmax_step(b_q, b_kt, b_v, b_m, b_l, b_o, qk_scale, b_mask, PREC: tl.constexpr, MASKED: tl.constexpr):
+    b_s = tl.dot(b_q, b_kt, input_precision=PREC) * qk_scale
+    if MASKED:
+        b_s = tl.where(b_mask, b_s, float("-inf"))
+    b_mn = tl.maximum(b_m, tl.max(b_s, 1))
+    b_r = tl.exp2(b_m - b_mn)
+    b_p = tl.exp2(b_s - b_mn[:, None])
+    b_l = b_l * b_r + tl.sum(b_p, 1)
+    b_o = b_o * b_r[:, None] + tl.dot(b_p.to(b_v.dtype), b_v, input_precision=PREC)
+    return b_mn, b_l, b_o
+
+
+@triton.jit
+def _fwd_far_step(j, b_q, b_m, b_l, b_o, k, v, far_idx, o_d, m_d, stride_t, qk_scale, BT: tl.constexpr, PREC: tl.constexpr):
+    # The j-th kept earlier chunk: all of its keys are visible, no mask.
+    rows = tl.load(far_idx + j).to(tl.int64) * BT + tl.arange(0, BT)
+    m_all = tl.full([BT], 1, dtype=tl.int1)
+    b_kt = _load_rows(k, rows, o_d, m_all, m_d, stride_t, True)
+    b_v = _load_rows(v, rows, o_d, m_all, m_d, stride_t, False)
+    return _online_softmax_step(b_q, b_kt, b_v, b_m, b_l, b_o, qk_scale, None, PREC, False)
+
+
+@triton.jit
+def _fwd_kernel(
+    q, k_far, v_far, k, v, o, lse, far_idx, n_far, qk_scale,
+    T, NC, s_fb, s_fh, s_ft,
+    H: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BT: tl.constexpr, PREC: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    # INTERPRET: the interpreter (with numpy >= 2.4) cannot take a loaded scalar as a range() bound, so it runs
+    # the same loop bodies under a while loop; compiled code keeps the for loop, which Triton pipelines.
+    # One program = one query chunk of one (b, h). Keys come from `k_far` (the kept earlier chunks, rows
+    # far_idx[j] * BT ...) and from the own chunk of `k`, so the same kernel serves a compacted K/V buffer.
+    i_t, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = (i_bh // H).to(tl.int64), (i_bh % H).to(tl.int64)
+    o_t = i_t * BT + tl.arange(0, BT)
+    o_d = tl.arange(0, BD)
+    m_t, m_d = o_t < T, o_d < D
+    base = (i_b * T * H + i_h) * D
+    b_q = _load_rows(q + base, o_t, o_d, m_t, m_d, H * D, False)
+    b_m = tl.full([BT], float("-inf"), dtype=tl.float32)
+    b_l = tl.zeros([BT], dtype=tl.float32)
+    b_o = tl.zeros([BT, BD], dtype=tl.float32)
+    far = k_far + i_b * s_fb + i_h * s_fh
+    far_v = v_far + i_b * s_fb + i_h * s_fh
+    far_idx += i_bh * NC
+    n = tl.load(n_far + i_bh * NC + i_t)
+    if INTERPRET:
+        j = 0
+        while j < n:
+            b_m, b_l, b_o = _fwd_far_step(j, b_q, b_m, b_l, b_o, far, far_v, far_idx, o_d, m_d, s_ft, qk_scale, BT, PREC)
+            j += 1
+    else:
+        for j in range(n):
+            b_m, b_l, b_o = _fwd_far_step(j, b_q, b_m, b_l, b_o, far, far_v, far_idx, o_d, m_d, s_ft, qk_scale, BT, PREC)
+    # Own chunk, causal: every valid row sees at least its own key, so its b_m ends finite.
+    b_kt = _load_rows(k + base, o_t, o_d, m_t, m_d, H * D, True)
+    b_v = _load_rows(v + base, o_t, o_d, m_t, m_d, H * D, False)
+    b_mask = (o_t[:, None] >= o_t[None, :]) & m_t[None, :]
+    b_m, b_l, b_o = _online_softmax_step(b_q, b_kt, b_v, b_m, b_l, b_o, qk_scale, b_mask, PREC, True)
+    b_o = b_o / b_l[:, None]
+    tl.store(o + base + o_t[:, None] * (H * D) + o_d[None, :], b_o.to(o.dtype.element_ty), mask=m_t[:, None] & m_d[None, :])
+    tl.store(lse + i_bh * T + o_t, b_m + tl.log2(b_l), mask=m_t)
+
+
+@triton.jit
+def _dkdv_step(b_k, b_v, q, do, lse, delta, o_q, o_d, m_d, T, stride_t, qk_scale, b_mask, PREC: tl.constexpr):
+    # Scores of key chunk rows against one query chunk, transposed: S^T = K Q^T, dS^T = P^T (dP^T - Delta).
+    m_q = o_q < T
+    b_qt = _load_rows(q, o_q, o_d, m_q, m_d, stride_t, True)
+    b_do = _load_rows(do, o_q, o_d, m_q, m_d, stride_t, False)
+    b_lse = tl.load(lse + o_q, mask=m_q, other=0.0)
+    b_delta = tl.load(delta + o_q, mask=m_q, other=0.0)
+    b_st = tl.dot(b_k, b_qt, input_precision=PREC) * qk_scale
+    b_pt = tl.where(b_mask & m_q[None, :], tl.exp2(b_st - b_lse[None, :]), 0.0)
+    b_dpt = tl.dot(b_v, tl.trans(b_do), input_precision=PREC)
+    b_dst = b_pt * (b_dpt - b_delta[None, :])
+    return b_pt, b_dst, b_qt, b_do
+
+
+@triton.jit
+def _dkdv_later_step(i_q, b_k, b_v, b_dk, b_dv, b_dkeep, b_w, q, do, lse, delta, o_d, m_d, T, stride_t, qk_scale,
+                     BT: tl.constexpr, PREC: tl.constexpr, GRAD_UNSELECTED: tl.constexpr):
+    # Query chunk i_q after the key chunk: no causal mask; its dS feeds the keep gradient. With GRAD_UNSELECTED
+    # an unselected chunk (b_w = 0) is visited for that gradient only.
+    o_q = i_q * BT + tl.arange(0, BT)
+    m_all = tl.full([BT, BT], 1, dtype=tl.int1)
+    b_pt, b_dst, b_qt, b_do = _dkdv_step(b_k, b_v, q, do, lse, delta, o_q, o_d, m_d, T, stride_t, qk_scale, m_all, PREC)
+    b_dkeep += tl.sum(b_dst, 1)
+    if GRAD_UNSELECTED:
+        b_pt, b_dst = b_pt * b_w, b_dst * b_w
+    b_dv += tl.dot(b_pt.to(b_do.dtype), b_do, input_precision=PREC)
+    b_dk += tl.dot(b_dst.to(b_qt.dtype), tl.trans(b_qt), input_precision=PREC)
+    return b_dk, b_dv, b_dkeep
+
+
+@triton.jit
+def _dq_step(b_q, b_do, b_lse, b_delta, k, v, o_k, o_d, m_k, m_d, stride_t, qk_scale, b_mask, PREC: tl.constexpr,
+             MASKED: tl.constexpr):
+    b_kt = _load_rows(k, o_k, o_d, m_k, m_d, stride_t, True)
+    b_vt = _load_rows(v, o_k, o_d, m_k, m_d, stride_t, True)
+    b_s = tl.dot(b_q, b_kt, input_precision=PREC) * qk_scale
+    if MASKED:
+        b_p = tl.where(b_mask, tl.exp2(b_s - b_lse[:, None]), 0.0)
+    else:
+        b_p = tl.exp2(b_s - b_lse[:, None])
+    b_ds = b_p * (tl.dot(b_do, b_vt, input_precision=PREC) - b_delta[:, None])
+    return tl.dot(b_ds.to(b_kt.dtype), tl.trans(b_kt), input_precision=PREC)
+
+
+@triton.jit
+def _dq_far_step(j, b_q, b_do, b_lse, b_delta, k, v, far_idx, o_d, m_d, stride_t, qk_scale,
+                 BT: tl.constexpr, PREC: tl.constexpr):
+    o_k = tl.load(far_idx + j).to(tl.int64) * BT + tl.arange(0, BT)
+    m_k = tl.full([BT], 1, dtype=tl.int1)
+    return _dq_step(b_q, b_do, b_lse, b_delta, k, v, o_k, o_d, m_k, m_d, stride_t, qk_scale, None, PREC, False)
+
+
+@triton.jit
+def _bwd_kernel(
+    q, k, v, do, lse, delta, keep, far_idx, n_far, dq, dk, dv, dkeep, qk_scale, scale,
+    T, NC,
+    H: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BT: tl.constexpr, PREC: tl.constexpr,
+    GRAD_UNSELECTED: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    # Program c computes dK, dV and dkeep of key chunk c, then dQ of query chunk c. Transposed operands are
+    # loaded through transposed pointers; tl.trans is applied to loaded tiles only, never to a tl.dot result
+    # (Triton 3.6 on Hopper miscompiles that).
+    i_c, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = (i_bh // H).to(tl.int64), (i_bh % H).to(tl.int64)
+    base = (i_b * T * H + i_h) * D
+    q, k, v, do, dq, dk, dv = q + base, k + base, v + base, do + base, dq + base, dk + base, dv + base
+    lse, delta = lse + i_bh * T, delta + i_bh * T
+    o_d = tl.arange(0, BD)
+    m_d = o_d < D
+    o_c = i_c * BT + tl.arange(0, BT)
+    m_c = o_c < T
+    b_k = _load_rows(k, o_c, o_d, m_c, m_d, H * D, False)
+    b_v = _load_rows(v, o_c, o_d, m_c, m_d, H * D, False)
+    b_pt, b_dst, b_qt, b_do = _dkdv_step(
+        b_k, b_v, q, do, lse, delta, o_c, o_d, m_d, T, H * D, qk_scale, o_c[None, :] >= o_c[:, None], PREC)
+    b_dv = tl.dot(b_pt.to(b_do.dtype), b_do, input_precision=PREC)
+    b_dk = tl.dot(b_dst.to(b_qt.dtype), tl.trans(b_qt), input_precision=PREC)
+    kept = tl.load(keep + i_bh * NC + i_c) == 1
+    b_w = kept.to(tl.float32)
+    if GRAD_UNSELECTED:
+        n_later = NC - 1 - i_c
+    else:
+        n_later = tl.where(kept, NC - 1 - i_c, 0)
+    b_dkeep = tl.zeros([BT], dtype=tl.float32)
+    if INTERPRET:
+        i = 0
+        while i < n_later:
+            b_dk, b_dv, b_dkeep = _dkdv_later_step(i_c + 1 + i, b_k, b_v, b_dk, b_dv, b_dkeep, b_w, q, do, lse, delta,
+                                                   o_d, m_d, T, H * D, qk_scale, BT, PREC, GRAD_UNSELECTED)
+            i += 1
+    else:
+        for i in range(n_later):
+            b_dk, b_dv, b_dkeep = _dkdv_later_step(i_c + 1 + i, b_k, b_v, b_dk, b_dv, b_dkeep, b_w, q, do, lse, delta,
+                                                   o_d, m_d, T, H * D, qk_scale, BT, PREC, GRAD_UNSELECTED)
+    m_cd = m_c[:, None] & m_d[None, :]
+    tl.store(dk + o_c[:, None] * (H * D) + o_d[None, :], (b_dk * scale).to(dk.dtype.element_ty), mask=m_cd)
+    tl.store(dv + o_c[:, None] * (H * D) + o_d[None, :], b_dv.to(dv.dtype.element_ty), mask=m_cd)
+    tl.store(dkeep + i_bh * NC + i_c, tl.sum(b_dkeep, 0))
+
+    b_q = _load_rows(q, o_c, o_d, m_c, m_d, H * D, False)
+    b_do = _load_rows(do, o_c, o_d, m_c, m_d, H * D, False)
+    b_lse = tl.load(lse + o_c, mask=m_c, other=0.0)
+    b_delta = tl.load(delta + o_c, mask=m_c, other=0.0)
+    b_dq = _dq_step(b_q, b_do, b_lse, b_delta, k, v, o_c, o_d, m_c, m_d, H * D, qk_scale,
+                    (o_c[:, None] >= o_c[None, :]) & m_c[None, :], PREC, True)
+    far_idx += i_bh * NC
+    n = tl.load(n_far + i_bh * NC + i_c)
+    if INTERPRET:
+        j = 0
+        while j < n:
+            b_dq += _dq_far_step(j, b_q, b_do, b_lse, b_delta, k, v, far_idx, o_d, m_d, H * D, qk_scale, BT, PREC)
+            j += 1
+    else:
+        for j in range(n):
+            b_dq += _dq_far_step(j, b_q, b_do, b_lse, b_delta, k, v, far_idx, o_d, m_d, H * D, qk_scale, BT, PREC)
+    tl.store(dq + o_c[:, None] * (H * D) + o_d[None, :], (b_dq * scale).to(dq.dtype.element_ty), mask=m_cd)
+
+
+def kept_chunk_lists(keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per (b, h): the kept chunk indices in ascending order, and how many of them precede each chunk.
+
+    Args:
+        keep: [B, H, NC] in {0, 1}.
+    Returns:
+        far_idx: [B, H, NC] int32, kept indices first (the tail is padding, never read).
+        n_far: [B, H, NC] int32, n_far[..., i] = number of kept chunks c < i.
+    """
+    NC = keep.shape[-1]
+    kept = keep == 1
+    order = torch.arange(NC, device=keep.device, dtype=torch.int32).expand_as(keep)
+    far_idx = torch.where(kept, order, NC).sort(-1).values.to(torch.int32)
+    n_far = (torch.cumsum(kept.to(torch.int32), -1) - kept.to(torch.int32)).to(torch.int32)
+    return far_idx.contiguous(), n_far.contiguous()
+
+
+def _block_d(D: int) -> int:
+    return max(16, triton.next_power_of_2(D))
+
+
+def _precision(q: torch.Tensor) -> str:
+    # fp32 inputs get exact fp32 products (the tests compare them tightly); half types use tensor cores.
+    return "ieee" if q.dtype == torch.float32 else "tf32"
+
+
+def _interpret(q: torch.Tensor) -> bool:
+    return q.device.type == "cpu"
+
+
+def _launch_opts(q: torch.Tensor) -> dict:
+    return {} if q.device.type == "cpu" else {"num_warps": 4, "num_stages": 2}
+
+
+def chunk_selected_attention_fwd(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor, scale: float, chunk_size: int,
+    compact: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward pass. q, k, v [B, T, H, D]; keep [B, H, NC]. Returns o [B, T, H, D] and lse [B, H, T] (log2 units).
+
+    compact=True first gathers the kept chunks of every head into a dense K/V buffer (the alternative to
+    index-driven block skipping, kept for the benchmark); both give the same result.
+    """
+    B, T, H, D = q.shape
+    NC = keep.shape[-1]
+    far_idx, n_far = kept_chunk_lists(keep)
+    o = torch.empty_like(q)
+    lse = torch.empty(B, H, T, device=q.device, dtype=torch.float32)
+    if compact:
+        k_far, v_far, far_idx = _compact_kept(k, v, far_idx, chunk_size)
+        strides = k_far.stride()[:3]
+    else:
+        k_far, v_far = k, v
+        strides = (T * H * D, D, H * D)
+    _fwd_kernel[(NC, B * H)](
+        q, k_far, v_far, k, v, o, lse, far_idx, n_far, scale * 1.4426950408889634,
+        T, NC, *strides, H=H, D=D, BD=_block_d(D), BT=chunk_size, PREC=_precision(q), INTERPRET=_interpret(q), **_launch_opts(q),
+    )
+    return o, lse
+
+
+def _compact_kept(k, v, far_idx, chunk_size):
+    """Gather the kept chunks (padded to T) into [B, H, NC*C, D] buffers; chunk j of the buffer is far_idx[j]."""
+    B, T, H, D = k.shape
+    NC = far_idx.shape[-1]
+    pad = NC * chunk_size - T
+    kc = torch.nn.functional.pad(k, (0, 0, 0, 0, 0, pad)).transpose(1, 2).reshape(B, H, NC, chunk_size, D)
+    vc = torch.nn.functional.pad(v, (0, 0, 0, 0, 0, pad)).transpose(1, 2).reshape(B, H, NC, chunk_size, D)
+    idx = far_idx.clamp(max=NC - 1).long()[..., None, None].expand(B, H, NC, chunk_size, D)
+    k_far = torch.gather(kc, 2, idx).reshape(B, H, NC * chunk_size, D)
+    v_far = torch.gather(vc, 2, idx).reshape(B, H, NC * chunk_size, D)
+    identity = torch.arange(NC, device=k.device, dtype=torch.int32).expand(B, H, NC).contiguous()
+    return k_far, v_far, identity
+
+
+def chunk_selected_attention_bwd(
+    q, k, v, o, lse, do, keep, scale: float, chunk_size: int, grad_unselected: bool = False,
+):
+    """Backward pass: returns dq, dk, dv [B, T, H, D] and dkeep [B, H, NC] (fp32)."""
+    B, T, H, D = q.shape
+    NC = keep.shape[-1]
+    far_idx, n_far = kept_chunk_lists(keep)
+    delta = (o.float() * do.float()).sum(-1).transpose(1, 2).contiguous()
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    dkeep = torch.empty(B, H, NC, device=q.device, dtype=torch.float32)
+    _bwd_kernel[(NC, B * H)](
+        q, k, v, do, lse, delta, keep.float().contiguous(), far_idx, n_far, dq, dk, dv, dkeep,
+        scale * 1.4426950408889634, scale, T, NC,
+        H=H, D=D, BD=_block_d(D), BT=chunk_size, PREC=_precision(q), GRAD_UNSELECTED=grad_unselected,
+        INTERPRET=_interpret(q), **_launch_opts(q),
+    )
+    return dq, dk, dv, dkeep
+
+
+class ChunkSelectedAttentionFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, keep, scale, chunk_size, grad_unselected):
+        o, lse = chunk_selected_attention_fwd(q, k, v, keep, scale, chunk_size)
+        ctx.save_for_backward(q, k, v, o, lse, keep)
+        ctx.scale, ctx.chunk_size, ctx.grad_unselected = scale, chunk_size, grad_unselected
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, o, lse, keep = ctx.saved_tensors
+        dq, dk, dv, dkeep = chunk_selected_attention_bwd(
+            q, k, v, o, lse, do.contiguous(), keep, ctx.scale, ctx.chunk_size, ctx.grad_unselected
+        )
+        return dq, dk, dv, dkeep.to(keep.dtype), None, None, None
+
+
+def _check_inputs(q, k, v, keep, chunk_size):
+    if q.dim() != 4:
+        raise ValueError(f"q must be [B, T, H, D], got shape {tuple(q.shape)}")
+    if k.shape != q.shape or v.shape != q.shape:
+        raise ValueError(f"q, k, v must share one shape [B, T, H, D] (no GQA); got {tuple(q.shape)}, "
+                         f"{tuple(k.shape)}, {tuple(v.shape)}")
+    if chunk_size not in (16, 32, 64, 128):
+        raise ValueError(f"chunk_size must be 16, 32, 64 or 128, got {chunk_size}")
+    B, T, H, D = q.shape
+    NC = math.ceil(T / chunk_size)
+    if tuple(keep.shape) != (B, H, NC):
+        raise ValueError(f"keep must be [B, H, ceil(T/chunk_size)] = {(B, H, NC)}, got {tuple(keep.shape)}")
+    if not keep.is_floating_point():
+        raise ValueError(f"keep must be a float tensor of 0/1, got dtype {keep.dtype}")
+    if len({x.device for x in (q, k, v, keep)}) != 1:
+        raise ValueError("q, k, v and keep must be on one device")
+    if len({x.dtype for x in (q, k, v)}) != 1 or q.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"q, k, v must share one float dtype (fp32, bf16, fp16), got {q.dtype}, {k.dtype}, {v.dtype}")
+    if D > 256:
+        raise ValueError(f"head dim D must be <= 256, got {D}")
+    if not torch.compiler.is_compiling() and not bool(((keep == 0) | (keep == 1)).all()):
+        raise ValueError("keep must hold only 0 and 1 (round or threshold the selection first)")
+
+
+def chunk_selected_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    keep: torch.Tensor,
+    scale: float | None = None,
+    chunk_size: int = 64,
+    grad_unselected: bool = False,
+) -> torch.Tensor:
+    """Causal softmax attention where a query in chunk c sees its own chunk causally and the earlier chunks
+    whose keep = 1 for its head.
+
+    Args:
+        q, k, v: [B, T, H, D] (same H for all three: no GQA).
+        keep: [B, H, ceil(T / chunk_size)] float in {0, 1}; receives the straight-through selection gradient.
+        scale: default 1/sqrt(D).
+        chunk_size: 16, 32, 64 or 128 (also the kernels' block size).
+        grad_unselected: also compute d(keep) for chunks with keep = 0 (visits them in the backward).
+
+    Returns:
+        o: [B, T, H, D] in the dtype of q.
+    """
+    _check_inputs(q, k, v, keep, chunk_size)
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    q, k, v = (x.contiguous() for x in (q, k, v))
+    return ChunkSelectedAttentionFunction.apply(q, k, v, keep, scale, chunk_size, grad_unselected)
