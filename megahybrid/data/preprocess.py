@@ -98,15 +98,20 @@ def preprocess(
     Empty documents are dropped. Files are written under temporary names and renamed, .idx last, so a crash never
     leaves a prefix that looks complete.
     """
-    from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
-    from tqdm.auto import tqdm
-
     if not os.path.isfile(tokenizer_model):
         raise DataError(f"--tokenizer: {tokenizer_model} does not exist: train one with `megahybrid data tokenizer`")
     if workers < 1:
         raise DataError(f"--workers is {workers}: use 1 or more")
-    tokenizer = SentencePieceTokenizer(tokenizer_model)
     docs = load_documents(files, text_key, text_sample_by, cache_dir)
+    return preprocess_dataset(docs, tokenizer_model, output_prefix, workers, text_key)
+
+
+def preprocess_dataset(docs, tokenizer_model: str, output_prefix: str, workers: int = 1, text_key: str = "text") -> dict:
+    """`preprocess` for an already loaded `datasets.Dataset` with a `text_key` column."""
+    from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
+    from tqdm.auto import tqdm
+
+    tokenizer = SentencePieceTokenizer(tokenizer_model)
     encoded = docs.map(
         _Encoder(tokenizer_model, text_key),
         batched=True,
