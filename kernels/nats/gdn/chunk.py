@@ -1,0 +1,535 @@
+"""Triton chunk kernels (forward and backward) for chunk-selected Gated DeltaNet.
+
+The algorithm is flash-linear-attention's chunked Gated DeltaNet (WY representation, chunks of 64 tokens) with
+one change: after chunk c the state is S_{c+1} = a_c S_c + m_c * K~_c^T V'_c (m_c = keep), where
+a_c = e^{G_L} when the chunk is kept or `decay_dropped`, else 1. Every token's output still uses its own chunk's
+pseudo-update. Only chunk-start states are written; the backward recomputes w, u, the states and v' from the
+saved (I + A)^{-1}.
+
+Transposed operands are always loaded through strided pointers, never made with `tl.trans` of a `tl.dot` result:
+Triton 3.4-3.6 on Hopper miscompiles that pattern (flash-linear-attention issue 640).
+"""
+import torch
+import triton
+import triton.language as tl
+
+BT = 64
+BC = 16
+
+
+def _pow2(n: int, lo: int = 16) -> int:
+    return max(lo, triton.next_power_of_2(n))
+
+
+@triton.jit
+def _ld(ptr, r, c, nr, nc, stride):
+    """Tile x[i, j] = ptr[r[i] * stride + c[j]], zero where r >= nr or c >= nc."""
+    return tl.load(ptr + r[:, None] * stride + c[None, :], mask=(r < nr)[:, None] & (c < nc)[None, :], other=0.0)
+
+
+@triton.jit
+def _ld_t(ptr, r, c, nr, nc, stride):
+    """Transposed tile x[j, i] = ptr[r[i] * stride + c[j]] (a strided load instead of tl.trans)."""
+    return tl.load(ptr + r[None, :] * stride + c[:, None], mask=(r < nr)[None, :] & (c < nc)[:, None], other=0.0)
+
+
+@triton.jit
+def _st(ptr, r, c, nr, nc, stride, x):
+    tl.store(ptr + r[:, None] * stride + c[None, :], x.to(ptr.dtype.element_ty),
+             mask=(r < nr)[:, None] & (c < nc)[None, :])
+
+
+@triton.jit
+def _ld_vec(ptr, r, nr, stride):
+    return tl.load(ptr + r * stride, mask=r < nr, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _chunk_scalars(G, keep, t0, T, i_keep, stride_g, DECAY_DROPPED: tl.constexpr):
+    """(m, e^{G_L}, a) of one chunk: keep flag, total decay and the state's multiplier after the commit."""
+    m = tl.load(keep + i_keep).to(tl.float32)
+    decay = tl.exp(tl.load(G + (tl.minimum(t0 + 64, T) - 1) * stride_g))
+    base = decay if DECAY_DROPPED else 1.0
+    return m, decay, m * decay + (1.0 - m) * base
+
+
+@triton.jit
+def _gate_block(A, Gi, Gj, beta_i, mi, mj, DIAG: tl.constexpr):
+    """beta_i * A_ij * e^{G_i - G_j} on valid rows/cols (strictly lower part when DIAG)."""
+    o = tl.arange(0, 16)
+    valid = mi[:, None] & mj[None, :]
+    if DIAG:
+        valid = valid & (o[:, None] > o[None, :])
+    return tl.where(valid, A * tl.exp(Gi[:, None] - Gj[None, :]), 0.0) * beta_i[:, None]
+
+
+@triton.jit
+def _inv_unit_lower16(A):
+    """(I + A)^{-1} for strictly lower 16x16 A, by forward substitution on the rows of Y = inverse - I."""
+    o = tl.arange(0, 16)
+    Y = -A
+    for i in range(2, 16):
+        a = tl.sum(tl.where((o == i)[:, None], -A, 0.0), 0)
+        a = a + tl.sum(a[:, None] * Y, 0)
+        Y = tl.where((o == i)[:, None], a[None, :], Y)
+    return Y + tl.where(o[:, None] == o[None, :], 1.0, 0.0)
+
+
+@triton.jit
+def _kkt_inv_kernel(k, g, beta, G, Ai, T, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr):
+    """Chunk-local cumsum G of g and Ai = (I + A)^{-1}, A_ij = beta_i k_i.k_j e^{G_i - G_j} (i > j); grid (NT, B*H)."""
+    i_t, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = i_bh // H, i_bh % H
+    bos = i_b.to(tl.int64) * T
+    k += (bos * H + i_h) * K
+    g += bos * H + i_h
+    beta += bos * H + i_h
+    G += bos * H + i_h
+    Ai += (bos * H + i_h) * 64
+    o = tl.arange(0, 16)
+    r0, r1, r2, r3 = i_t * 64 + o, i_t * 64 + 16 + o, i_t * 64 + 32 + o, i_t * 64 + 48 + o
+    m0, m1, m2, m3 = r0 < T, r1 < T, r2 < T, r3 < T
+    g0, g1, g2, g3 = _ld_vec(g, r0, T, H), _ld_vec(g, r1, T, H), _ld_vec(g, r2, T, H), _ld_vec(g, r3, T, H)
+    G0 = tl.cumsum(g0, 0)
+    G1 = tl.cumsum(g1, 0) + tl.sum(g0, 0)
+    G2 = tl.cumsum(g2, 0) + tl.sum(g0, 0) + tl.sum(g1, 0)
+    G3 = tl.cumsum(g3, 0) + tl.sum(g0, 0) + tl.sum(g1, 0) + tl.sum(g2, 0)
+    tl.store(G + r0 * H, G0, mask=m0)
+    tl.store(G + r1 * H, G1, mask=m1)
+    tl.store(G + r2 * H, G2, mask=m2)
+    tl.store(G + r3 * H, G3, mask=m3)
+
+    A00 = tl.zeros([16, 16], tl.float32)
+    A10, A11 = tl.zeros([16, 16], tl.float32), tl.zeros([16, 16], tl.float32)
+    A20, A21, A22 = tl.zeros([16, 16], tl.float32), tl.zeros([16, 16], tl.float32), tl.zeros([16, 16], tl.float32)
+    A30, A31 = tl.zeros([16, 16], tl.float32), tl.zeros([16, 16], tl.float32)
+    A32, A33 = tl.zeros([16, 16], tl.float32), tl.zeros([16, 16], tl.float32)
+    for i_k in range(tl.cdiv(K, BK)):
+        c = i_k * BK + tl.arange(0, BK)
+        k0, k1, k2, k3 = _ld(k, r0, c, T, K, H * K), _ld(k, r1, c, T, K, H * K), _ld(k, r2, c, T, K, H * K), \
+            _ld(k, r3, c, T, K, H * K)
+        k0t, k1t, k2t = _ld_t(k, r0, c, T, K, H * K), _ld_t(k, r1, c, T, K, H * K), _ld_t(k, r2, c, T, K, H * K)
+        k3t = _ld_t(k, r3, c, T, K, H * K)
+        A00 += tl.dot(k0, k0t)
+        A10 += tl.dot(k1, k0t)
+        A11 += tl.dot(k1, k1t)
+        A20 += tl.dot(k2, k0t)
+        A21 += tl.dot(k2, k1t)
+        A22 += tl.dot(k2, k2t)
+        A30 += tl.dot(k3, k0t)
+        A31 += tl.dot(k3, k1t)
+        A32 += tl.dot(k3, k2t)
+        A33 += tl.dot(k3, k3t)
+    b0, b1, b2, b3 = _ld_vec(beta, r0, T, H), _ld_vec(beta, r1, T, H), _ld_vec(beta, r2, T, H), \
+        _ld_vec(beta, r3, T, H)
+    A00 = _gate_block(A00, G0, G0, b0, m0, m0, True)
+    A11 = _gate_block(A11, G1, G1, b1, m1, m1, True)
+    A22 = _gate_block(A22, G2, G2, b2, m2, m2, True)
+    A33 = _gate_block(A33, G3, G3, b3, m3, m3, True)
+    A10 = _gate_block(A10, G1, G0, b1, m1, m0, False)
+    A20 = _gate_block(A20, G2, G0, b2, m2, m0, False)
+    A21 = _gate_block(A21, G2, G1, b2, m2, m1, False)
+    A30 = _gate_block(A30, G3, G0, b3, m3, m0, False)
+    A31 = _gate_block(A31, G3, G1, b3, m3, m1, False)
+    A32 = _gate_block(A32, G3, G2, b3, m3, m2, False)
+
+    X00, X11 = _inv_unit_lower16(A00), _inv_unit_lower16(A11)
+    X22, X33 = _inv_unit_lower16(A22), _inv_unit_lower16(A33)
+    # block forward substitution: X_ij = -X_ii sum_{j <= l < i} A_il X_lj
+    X10 = -tl.dot(X11, tl.dot(A10, X00))
+    X21 = -tl.dot(X22, tl.dot(A21, X11))
+    X20 = -tl.dot(X22, tl.dot(A20, X00) + tl.dot(A21, X10))
+    X32 = -tl.dot(X33, tl.dot(A32, X22))
+    X31 = -tl.dot(X33, tl.dot(A31, X11) + tl.dot(A32, X21))
+    X30 = -tl.dot(X33, tl.dot(A30, X00) + tl.dot(A31, X10) + tl.dot(A32, X20))
+    zero = tl.zeros([16, 16], tl.float32)
+    s = H * 64
+    _st(Ai, r0, o, T, 16, s, X00)
+    _st(Ai, r0, 16 + o, T, 64, s, zero)
+    _st(Ai, r0, 32 + o, T, 64, s, zero)
+    _st(Ai, r0, 48 + o, T, 64, s, zero)
+    _st(Ai, r1, o, T, 64, s, X10)
+    _st(Ai, r1, 16 + o, T, 64, s, X11)
+    _st(Ai, r1, 32 + o, T, 64, s, zero)
+    _st(Ai, r1, 48 + o, T, 64, s, zero)
+    _st(Ai, r2, o, T, 64, s, X20)
+    _st(Ai, r2, 16 + o, T, 64, s, X21)
+    _st(Ai, r2, 32 + o, T, 64, s, X22)
+    _st(Ai, r2, 48 + o, T, 64, s, zero)
+    _st(Ai, r3, o, T, 64, s, X30)
+    _st(Ai, r3, 16 + o, T, 64, s, X31)
+    _st(Ai, r3, 32 + o, T, 64, s, X32)
+    _st(Ai, r3, 48 + o, T, 64, s, X33)
+
+
+@triton.jit
+def _wu_kernel(k, v, beta, G, Ai, w, u, T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+               BK: tl.constexpr, BV: tl.constexpr):
+    """w = Ai (beta e^G k), u = Ai (beta v) for one chunk; grid (NT, B*H)."""
+    i_t, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = i_bh // H, i_bh % H
+    bos = i_b.to(tl.int64) * T
+    r = i_t * 64 + tl.arange(0, 64)
+    b_A = _ld(Ai + (bos * H + i_h) * 64, r, tl.arange(0, 64), T, 64, H * 64)
+    b_beta = _ld_vec(beta + bos * H + i_h, r, T, H)
+    b_eg = tl.exp(_ld_vec(G + bos * H + i_h, r, T, H))
+    for i_k in range(tl.cdiv(K, BK)):
+        c = i_k * BK + tl.arange(0, BK)
+        b_k = _ld(k + (bos * H + i_h) * K, r, c, T, K, H * K)
+        b_kb = (b_k * (b_beta * b_eg)[:, None]).to(b_k.dtype)
+        _st(w + (bos * H + i_h) * K, r, c, T, K, H * K, tl.dot(b_A.to(b_k.dtype), b_kb))
+    for i_v in range(tl.cdiv(V, BV)):
+        c = i_v * BV + tl.arange(0, BV)
+        b_v = _ld(v + (bos * H + i_h) * V, r, c, T, V, H * V)
+        b_vb = (b_v * b_beta[:, None]).to(b_v.dtype)
+        _st(u + (bos * H + i_h) * V, r, c, T, V, H * V, tl.dot(b_A.to(b_v.dtype), b_vb))
+
+
+@triton.jit
+def _fwd_h_kernel(k, w, u, G, keep, h, v_new, h0, ht, T, NT: tl.constexpr, H: tl.constexpr, K: tl.constexpr,
+                  V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DECAY_DROPPED: tl.constexpr,
+                  USE_H0: tl.constexpr, STORE_HT: tl.constexpr):
+    """Sequential inter-chunk recurrence with the commit mask; writes chunk-start states and v'; grid (NV, B*H)."""
+    i_v, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = i_bh // H, i_bh % H
+    bos = i_b.to(tl.int64) * T
+    k += (bos * H + i_h) * K
+    w += (bos * H + i_h) * K
+    u += (bos * H + i_h) * V
+    v_new += (bos * H + i_h) * V
+    G += bos * H + i_h
+    ck, cv = tl.arange(0, BK), i_v * BV + tl.arange(0, BV)
+    b_h = tl.zeros([BK, BV], tl.float32)
+    if USE_H0:
+        b_h += _ld(h0 + i_bh.to(tl.int64) * K * V, ck, cv, K, V, V).to(tl.float32)
+    for i_t in range(NT):
+        _st(h + ((i_b.to(tl.int64) * NT + i_t) * H + i_h) * K * V, ck, cv, K, V, V, b_h)
+        r = i_t * 64 + tl.arange(0, 64)
+        b_w = _ld(w, r, ck, T, K, H * K)
+        b_vn = _ld(u, r, cv, T, V, H * V).to(tl.float32) - tl.dot(b_w, b_h.to(b_w.dtype))
+        _st(v_new, r, cv, T, V, H * V, b_vn)
+        m, decay, a = _chunk_scalars(G, keep, i_t * 64, T, i_bh.to(tl.int64) * NT + i_t, H, DECAY_DROPPED)
+        b_h *= a
+        if m != 0:
+            b_G = _ld_vec(G, r, T, H)
+            b_vd = b_vn * tl.where(r < T, m * decay * tl.exp(-b_G), 0.0)[:, None]
+            b_h += tl.dot(_ld_t(k, r, ck, T, K, H * K), b_vd.to(b_w.dtype))
+    if STORE_HT:
+        _st(ht + i_bh.to(tl.int64) * K * V, ck, cv, K, V, V, b_h)
+
+
+@triton.jit
+def _fwd_o_kernel(q, k, v_new, h, G, o, scale, T, NT, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                  BK: tl.constexpr, BV: tl.constexpr):
+    """o = scale (e^G q S_c + causal(q k^T e^{G_i - G_j}) v'); grid (NV, NT, B*H)."""
+    i_v, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_b, i_h = i_bh // H, i_bh % H
+    bos = i_b.to(tl.int64) * T
+    r, cv = i_t * 64 + tl.arange(0, 64), i_v * BV + tl.arange(0, BV)
+    h += ((i_b.to(tl.int64) * NT + i_t) * H + i_h) * K * V
+    b_o = tl.zeros([64, BV], tl.float32)
+    b_s = tl.zeros([64, 64], tl.float32)
+    for i_k in range(tl.cdiv(K, BK)):
+        c = i_k * BK + tl.arange(0, BK)
+        b_q = _ld(q + (bos * H + i_h) * K, r, c, T, K, H * K)
+        b_o += tl.dot(b_q, _ld(h, c, cv, K, V, V).to(b_q.dtype))
+        b_s += tl.dot(b_q, _ld_t(k + (bos * H + i_h) * K, r, c, T, K, H * K))
+    b_G = _ld_vec(G + bos * H + i_h, r, T, H)
+    causal = (r[:, None] >= r[None, :]) & (r < T)[None, :]
+    b_s = tl.where(causal, b_s * tl.exp(b_G[:, None] - b_G[None, :]), 0.0)
+    b_vn = _ld(v_new + (bos * H + i_h) * V, r, cv, T, V, H * V)
+    b_o = b_o * tl.exp(b_G)[:, None] + tl.dot(b_s.to(b_vn.dtype), b_vn)
+    _st(o + (bos * H + i_h) * V, r, cv, T, V, H * V, b_o * scale)
+
+
+@triton.jit
+def _bwd_dv_local_kernel(q, k, G, do, dv, scale, T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                         BK: tl.constexpr, BV: tl.constexpr):
+    """dv'_j from the intra-chunk outputs: scale sum_{i >= j} (k_j.q_i) e^{G_i - G_j} do_i; grid (NT, B*H)."""
+    i_t, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = i_bh // H, i_bh % H
+    bos = i_b.to(tl.int64) * T
+    r = i_t * 64 + tl.arange(0, 64)
+    b_s = tl.zeros([64, 64], tl.float32)
+    for i_k in range(tl.cdiv(K, BK)):
+        c = i_k * BK + tl.arange(0, BK)
+        b_k = _ld(k + (bos * H + i_h) * K, r, c, T, K, H * K)
+        b_s += tl.dot(b_k, _ld_t(q + (bos * H + i_h) * K, r, c, T, K, H * K))
+    b_G = _ld_vec(G + bos * H + i_h, r, T, H)
+    anti = (r[:, None] <= r[None, :]) & (r < T)[None, :]
+    b_s = tl.where(anti, b_s * tl.exp(b_G[None, :] - b_G[:, None]), 0.0) * scale
+    for i_v in range(tl.cdiv(V, BV)):
+        cv = i_v * BV + tl.arange(0, BV)
+        b_do = _ld(do + (bos * H + i_h) * V, r, cv, T, V, H * V)
+        _st(dv + (bos * H + i_h) * V, r, cv, T, V, H * V, tl.dot(b_s.to(b_do.dtype), b_do))
+
+
+@triton.jit
+def _bwd_dh_kernel(q, k, w, G, keep, do, dv_local, dv2, dh, dh0, dht, scale, T, NT: tl.constexpr,
+                   H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                   DECAY_DROPPED: tl.constexpr, USE_DH0: tl.constexpr, USE_DHT: tl.constexpr):
+    """Reverse recurrence of dS_{c+1} (stored per chunk) and the total dv'; grid (NV, B*H)."""
+    i_v, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = i_bh // H, i_bh % H
+    bos = i_b.to(tl.int64) * T
+    q += (bos * H + i_h) * K
+    k += (bos * H + i_h) * K
+    w += (bos * H + i_h) * K
+    do += (bos * H + i_h) * V
+    dv_local += (bos * H + i_h) * V
+    dv2 += (bos * H + i_h) * V
+    G += bos * H + i_h
+    ck, cv = tl.arange(0, BK), i_v * BV + tl.arange(0, BV)
+    b_dh = tl.zeros([BK, BV], tl.float32)
+    if USE_DHT:
+        b_dh += _ld(dht + i_bh.to(tl.int64) * K * V, ck, cv, K, V, V).to(tl.float32)
+    for i_s in range(NT):
+        i_t = NT - 1 - i_s
+        _st(dh + ((i_b.to(tl.int64) * NT + i_t) * H + i_h) * K * V, ck, cv, K, V, V, b_dh)
+        r = i_t * 64 + tl.arange(0, 64)
+        m, decay, a = _chunk_scalars(G, keep, i_t * 64, T, i_bh.to(tl.int64) * NT + i_t, H, DECAY_DROPPED)
+        b_G = _ld_vec(G, r, T, H)
+        b_dv = _ld(dv_local, r, cv, T, V, H * V)
+        b_k = _ld(k, r, ck, T, K, H * K)
+        if m != 0:
+            b_kd = b_k * tl.where(r < T, m * decay * tl.exp(-b_G), 0.0)[:, None]
+            b_dv += tl.dot(b_kd.to(b_k.dtype), b_dh.to(b_k.dtype))
+        _st(dv2, r, cv, T, V, H * V, b_dv)
+        b_qt = _ld_t(q, r, ck, T, K, H * K)
+        b_qt = (b_qt * (scale * tl.exp(b_G))[None, :]).to(b_k.dtype)
+        b_do = _ld(do, r, cv, T, V, H * V)
+        b_wt = _ld_t(w, r, ck, T, K, H * K)
+        b_dh = a * b_dh + tl.dot(b_qt, b_do.to(b_k.dtype)) - tl.dot(b_wt, b_dv.to(b_k.dtype))
+    if USE_DH0:
+        _st(dh0 + i_bh.to(tl.int64) * K * V, ck, cv, K, V, V, b_dh)
+
+
+@triton.jit
+def _bwd_dqkwg_kernel(q, k, v_new, h, dh, do, dv2, G, keep, dq, dk, dw, dG, dkeep, scale, T, NT, B,
+                      H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                      DECAY_DROPPED: tl.constexpr):
+    """dq, dk (state and intra parts), dw, the gate gradient dG and dkeep of one chunk and K block.
+
+    grid (NK, NT, B*H); dG and dkeep are per-K-block partial sums.
+    """
+    i_k, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_b, i_h = i_bh // H, i_bh % H
+    bos = i_b.to(tl.int64) * T
+    r, c = i_t * 64 + tl.arange(0, 64), i_k * BK + tl.arange(0, BK)
+    h += ((i_b.to(tl.int64) * NT + i_t) * H + i_h) * K * V
+    dh += ((i_b.to(tl.int64) * NT + i_t) * H + i_h) * K * V
+    b_dqs = tl.zeros([64, BK], tl.float32)
+    b_dks = tl.zeros([64, BK], tl.float32)
+    b_dws = tl.zeros([64, BK], tl.float32)
+    b_dp = tl.zeros([64, 64], tl.float32)
+    b_dpt = tl.zeros([64, 64], tl.float32)
+    b_hdh = tl.zeros([BK], tl.float32)
+    for i_v in range(tl.cdiv(V, BV)):
+        cv = i_v * BV + tl.arange(0, BV)
+        b_vn = _ld(v_new + (bos * H + i_h) * V, r, cv, T, V, H * V)
+        b_vnt = _ld_t(v_new + (bos * H + i_h) * V, r, cv, T, V, H * V)
+        b_do = _ld(do + (bos * H + i_h) * V, r, cv, T, V, H * V)
+        b_dot = _ld_t(do + (bos * H + i_h) * V, r, cv, T, V, H * V)
+        b_dv = _ld(dv2 + (bos * H + i_h) * V, r, cv, T, V, H * V).to(b_vn.dtype)
+        b_ht = _ld_t(h, c, cv, K, V, V)
+        b_dht = _ld_t(dh, c, cv, K, V, V)
+        b_dqs += tl.dot(b_do, b_ht.to(b_do.dtype))
+        b_dks += tl.dot(b_vn, b_dht.to(b_vn.dtype))
+        b_dws += tl.dot(b_dv, b_ht.to(b_vn.dtype))
+        b_dp += tl.dot(b_do, b_vnt.to(b_do.dtype))
+        b_dpt += tl.dot(b_vn, b_dot.to(b_vn.dtype))
+        b_hdh += tl.sum(b_ht.to(tl.float32) * b_dht.to(tl.float32), 0)
+
+    b_q = _ld(q + (bos * H + i_h) * K, r, c, T, K, H * K)
+    b_k = _ld(k + (bos * H + i_h) * K, r, c, T, K, H * K)
+    b_G = _ld_vec(G + bos * H + i_h, r, T, H)
+    m, decay, a = _chunk_scalars(G + bos * H + i_h, keep, i_t * 64, T, i_bh.to(tl.int64) * NT + i_t, H,
+                                 DECAY_DROPPED)
+    valid = r < T
+    causal = (r[:, None] >= r[None, :]) & valid[None, :]
+    b_dp = tl.where(causal, b_dp * tl.exp(b_G[:, None] - b_G[None, :]), 0.0) * scale
+    anti = (r[:, None] <= r[None, :]) & valid[None, :]
+    b_dpt = tl.where(anti, b_dpt * tl.exp(b_G[None, :] - b_G[:, None]), 0.0) * scale
+    b_dqs = b_dqs * (scale * tl.exp(b_G))[:, None]
+    b_dq = b_dqs + tl.dot(b_dp.to(b_k.dtype), b_k)
+    b_kd = b_k.to(tl.float32) * tl.where(valid, decay * tl.exp(-b_G), 0.0)[:, None]
+    b_dk = m * tl.where(valid, decay * tl.exp(-b_G), 0.0)[:, None] * b_dks + tl.dot(b_dpt.to(b_q.dtype), b_q)
+    # gate gradient: state read, write decay, intra-chunk scores (row minus column sums)
+    b_qk = tl.dot(b_q, _ld_t(k + (bos * H + i_h) * K, r, c, T, K, H * K))
+    b_l = b_dp * b_qk
+    kd_dks = tl.sum(b_kd * b_dks, 1)
+    b_dg = tl.sum(b_dqs * b_q.to(tl.float32), 1) - m * kd_dks + tl.sum(b_l, 1) - tl.sum(b_l, 0)
+    hdh = tl.sum(b_hdh, 0)
+    d_last = hdh * (m * decay + (1.0 - m) * (decay if DECAY_DROPPED else 0.0)) + m * tl.sum(kd_dks, 0)
+    i_last = tl.minimum(i_t * 64 + 64, T) - 1
+    b_dg = tl.where(r == i_last, b_dg + d_last, b_dg)
+
+    _st(dq + (bos * H + i_h) * K, r, c, T, K, H * K, b_dq)
+    _st(dk + (bos * H + i_h) * K, r, c, T, K, H * K, b_dk)
+    _st(dw + (bos * H + i_h) * K, r, c, T, K, H * K, -b_dws)
+    tl.store(dG + i_k * B * T * H + bos * H + i_h + r * H, b_dg, mask=valid)
+    base = decay if DECAY_DROPPED else 1.0
+    tl.store(dkeep + i_k * B * H * NT + i_bh.to(tl.int64) * NT + i_t, tl.sum(kd_dks, 0) + (decay - base) * hdh)
+
+
+@triton.jit
+def _bwd_wy_kernel(k, v, beta, G, Ai, dw, du, dk_in, dG_in, dk, dv, dbeta, dg, T, H: tl.constexpr,
+                   K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+    """Back through w = Ai (beta e^G k), u = Ai (beta v) and Ai = (I + A)^{-1}; adds dk_in, dG_in and turns the
+    cumulative-gate gradient into dg by a reverse cumsum; grid (NT, B*H)."""
+    i_t, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = i_bh // H, i_bh % H
+    bos = i_b.to(tl.int64) * T
+    r, cr = i_t * 64 + tl.arange(0, 64), tl.arange(0, 64)
+    valid = r < T
+    Ai += (bos * H + i_h) * 64
+    b_A = _ld(Ai, r, cr, T, 64, H * 64)
+    b_At = _ld_t(Ai, r, cr, T, 64, H * 64)
+    b_beta = _ld_vec(beta + bos * H + i_h, r, T, H)
+    b_G = _ld_vec(G + bos * H + i_h, r, T, H)
+    b_eg = tl.where(valid, tl.exp(b_G), 0.0)
+    b_dbeta = tl.zeros([64], tl.float32)
+    b_dG = _ld_vec(dG_in + bos * H + i_h, r, T, H)
+    b_dT = tl.zeros([64, 64], tl.float32)
+    b_dTt = tl.zeros([64, 64], tl.float32)
+    for i_v in range(tl.cdiv(V, BV)):
+        cv = i_v * BV + tl.arange(0, BV)
+        b_v = _ld(v + (bos * H + i_h) * V, r, cv, T, V, H * V)
+        b_vt = _ld_t(v + (bos * H + i_h) * V, r, cv, T, V, H * V)
+        b_du = _ld(du + (bos * H + i_h) * V, r, cv, T, V, H * V).to(b_v.dtype)
+        b_dut = _ld_t(du + (bos * H + i_h) * V, r, cv, T, V, H * V).to(b_v.dtype)
+        b_dvb = tl.dot(b_At.to(b_v.dtype), b_du)
+        _st(dv + (bos * H + i_h) * V, r, cv, T, V, H * V, b_dvb * b_beta[:, None])
+        b_dbeta += tl.sum(b_dvb * b_v.to(tl.float32), 1)
+        b_dT += tl.dot(b_du, (b_vt * b_beta[None, :]).to(b_v.dtype))
+        b_dTt += tl.dot((b_v * b_beta[:, None]).to(b_v.dtype), b_dut)
+    b_kk = tl.zeros([64, 64], tl.float32)
+    for i_k in range(tl.cdiv(K, BK)):
+        c = i_k * BK + tl.arange(0, BK)
+        b_k = _ld(k + (bos * H + i_h) * K, r, c, T, K, H * K)
+        b_kt = _ld_t(k + (bos * H + i_h) * K, r, c, T, K, H * K)
+        b_dw = _ld(dw + (bos * H + i_h) * K, r, c, T, K, H * K).to(b_k.dtype)
+        b_dwt = _ld_t(dw + (bos * H + i_h) * K, r, c, T, K, H * K).to(b_k.dtype)
+        b_kb = b_k * (b_beta * b_eg)[:, None]
+        b_dkb = tl.dot(b_At.to(b_k.dtype), b_dw)
+        b_dbeta += tl.sum(b_dkb * b_k.to(tl.float32), 1) * b_eg
+        b_dG += tl.sum(b_dkb * b_kb, 1)
+        b_dT += tl.dot(b_dw, (b_kt * (b_beta * b_eg)[None, :]).to(b_k.dtype))
+        b_dTt += tl.dot(b_kb.to(b_k.dtype), b_dwt)
+        b_kk += tl.dot(b_k, b_kt)
+    # dA = -Ai^T dAi Ai^T and its transpose -Ai dAi^T Ai, both computed directly
+    lower = (r[:, None] > r[None, :]) & valid[:, None] & valid[None, :]
+    upper = (r[:, None] < r[None, :]) & valid[:, None] & valid[None, :]
+    b_dA = -tl.dot(tl.dot(b_At, b_dT), b_At)
+    b_dA = tl.where(lower, b_dA * tl.exp(b_G[:, None] - b_G[None, :]), 0.0)
+    b_dAt = -tl.dot(tl.dot(b_A, b_dTt), b_A)
+    b_dAt = tl.where(upper, b_dAt * tl.exp(b_G[None, :] - b_G[:, None]), 0.0)
+    b_x = b_dA * b_kk
+    b_dbeta += tl.sum(b_x, 1)
+    b_dG += b_beta * tl.sum(b_x, 1) - tl.sum(b_x * b_beta[:, None], 0)
+    for i_k in range(tl.cdiv(K, BK)):
+        c = i_k * BK + tl.arange(0, BK)
+        b_k = _ld(k + (bos * H + i_h) * K, r, c, T, K, H * K)
+        b_dw = _ld(dw + (bos * H + i_h) * K, r, c, T, K, H * K).to(b_k.dtype)
+        b_dk = _ld(dk_in + (bos * H + i_h) * K, r, c, T, K, H * K).to(tl.float32)
+        b_dk += tl.dot(b_At.to(b_k.dtype), b_dw) * (b_beta * b_eg)[:, None]
+        b_dk += tl.dot(b_dA.to(b_k.dtype), b_k) * b_beta[:, None]
+        b_dk += tl.dot(b_dAt.to(b_k.dtype), (b_k * b_beta[:, None]).to(b_k.dtype))
+        _st(dk + (bos * H + i_h) * K, r, c, T, K, H * K, b_dk)
+    tl.store(dbeta + bos * H + i_h + r * H, b_dbeta.to(dbeta.dtype.element_ty), mask=valid)
+    b_dg = tl.cumsum(b_dG, 0, reverse=True)
+    tl.store(dg + bos * H + i_h + r * H, b_dg.to(dg.dtype.element_ty), mask=valid)
+
+
+def _bv(n_programs: int, V: int, device: torch.device) -> int:
+    """V tile of the sequential kernels: 32, or 16 when B*H*V/32 would leave most SMs idle."""
+    if device.type != "cuda":
+        return min(32, _pow2(V))
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return 16 if n_programs * triton.cdiv(V, 32) < 2 * sms else min(32, _pow2(V))
+
+
+def _wy_fwd(k, v, g, beta):
+    """G (chunk-local cumsum of g, fp32) and Ai = (I + A)^{-1} per chunk, `[B, T, H]` and `[B, T, H, 64]`."""
+    B, T, H, K = k.shape
+    NT = triton.cdiv(T, BT)
+    G = torch.empty(B, T, H, device=k.device, dtype=torch.float32)
+    Ai = torch.empty(B, T, H, BT, device=k.device, dtype=torch.float32)
+    _kkt_inv_kernel[(NT, B * H)](k, g, beta, G, Ai, T, H=H, K=K, BK=min(64, _pow2(K)))
+    return G, Ai
+
+
+def _recompute_wu(k, v, beta, G, Ai):
+    B, T, H, K = k.shape
+    V = v.shape[-1]
+    w, u = torch.empty_like(k), torch.empty_like(v)
+    _wu_kernel[(triton.cdiv(T, BT), B * H)](k, v, beta, G, Ai, w, u, T, H=H, K=K, V=V, BK=min(64, _pow2(K)),
+                                            BV=min(64, _pow2(V)))
+    return w, u
+
+
+def _fwd_h(k, w, u, G, keep, initial_state, output_final_state, decay_dropped):
+    """Chunk-start states h `[B, NT, H, K, V]`, v' `[B, T, H, V]` and the final state (fp32 or None)."""
+    B, T, H, K = k.shape
+    V, NT = u.shape[-1], triton.cdiv(T, BT)
+    h = k.new_empty(B, NT, H, K, V)
+    v_new = torch.empty_like(u)
+    ht = k.new_empty(B, H, K, V, dtype=torch.float32) if output_final_state else None
+    BV = _bv(B * H, V, k.device)
+    _fwd_h_kernel[(triton.cdiv(V, BV), B * H)](
+        k, w, u, G, keep, h, v_new, initial_state, ht, T, NT, H=H, K=K, V=V, BK=_pow2(K), BV=BV,
+        DECAY_DROPPED=decay_dropped, USE_H0=initial_state is not None, STORE_HT=output_final_state)
+    return h, v_new, ht
+
+
+def chunk_selected_gdn_fwd(q, k, v, g, beta, keep, scale, initial_state, output_final_state, decay_dropped):
+    """Forward host function; returns o `[B, T, H, V]`, the final state and (G, Ai) for the backward."""
+    B, T, H, K = q.shape
+    V, NT = v.shape[-1], triton.cdiv(T, BT)
+    G, Ai = _wy_fwd(k, v, g, beta)
+    w, u = _recompute_wu(k, v, beta, G, Ai)
+    h, v_new, ht = _fwd_h(k, w, u, G, keep, initial_state, output_final_state, decay_dropped)
+    o = torch.empty_like(v)
+    BV = min(64, _pow2(V))
+    _fwd_o_kernel[(triton.cdiv(V, BV), NT, B * H)](q, k, v_new, h, G, o, scale, T, NT, H=H, K=K, V=V,
+                                                    BK=min(64, _pow2(K)), BV=BV)
+    return o, ht, G, Ai
+
+
+def chunk_selected_gdn_bwd(q, k, v, beta, keep, G, Ai, scale, initial_state, do, dht, decay_dropped,
+                           dkeep_dropped):
+    """Backward host function: recomputes w, u, h, v' and returns dq, dk, dv, dg, dbeta, dkeep, dh0."""
+    B, T, H, K = q.shape
+    V, NT = v.shape[-1], triton.cdiv(T, BT)
+    BK, BV = min(64, _pow2(K)), min(64, _pow2(V))
+    w, u = _recompute_wu(k, v, beta, G, Ai)
+    h, v_new, _ = _fwd_h(k, w, u, G, keep, initial_state, False, decay_dropped)
+    do = do.contiguous()
+    dv_local = torch.empty(B, T, H, V, device=q.device, dtype=torch.float32)
+    _bwd_dv_local_kernel[(NT, B * H)](q, k, G, do, dv_local, scale, T, H=H, K=K, V=V, BK=BK, BV=BV)
+
+    dh = q.new_empty(B, NT, H, K, V)
+    dv2 = torch.empty_like(dv_local)
+    dh0 = torch.empty(B, H, K, V, device=q.device, dtype=torch.float32) if initial_state is not None else None
+    BVs = _bv(B * H, V, q.device)
+    _bwd_dh_kernel[(triton.cdiv(V, BVs), B * H)](
+        q, k, w, G, keep, do, dv_local, dv2, dh, dh0, dht, scale, T, NT, H=H, K=K, V=V, BK=_pow2(K), BV=BVs,
+        DECAY_DROPPED=decay_dropped, USE_DH0=dh0 is not None, USE_DHT=dht is not None)
+
+    NK = triton.cdiv(K, BK)
+    dq, dk1 = torch.empty_like(q), torch.empty(B, T, H, K, device=q.device, dtype=torch.float32)
+    dw = torch.empty(B, T, H, K, device=q.device, dtype=torch.float32)
+    dG = torch.empty(NK, B, T, H, device=q.device, dtype=torch.float32)
+    dkeep = torch.empty(NK, B, H, NT, device=q.device, dtype=torch.float32)
+    _bwd_dqkwg_kernel[(NK, NT, B * H)](q, k, v_new, h, dh, do, dv2, G, keep, dq, dk1, dw, dG, dkeep, scale, T,
+                                       NT, B, H=H, K=K, V=V, BK=BK, BV=BV, DECAY_DROPPED=decay_dropped)
+    dG, dkeep = dG.sum(0), dkeep.sum(0)
+    if not dkeep_dropped:
+        dkeep = dkeep * (keep != 0)
+
+    dk, dv = torch.empty_like(k), torch.empty_like(v)
+    dbeta = torch.empty(B, T, H, device=q.device, dtype=beta.dtype)
+    dg = torch.empty(B, T, H, device=q.device, dtype=torch.float32)
+    _bwd_wy_kernel[(NT, B * H)](k, v, beta, G, Ai, dw, dv2, dk1, dG, dk, dv, dbeta, dg, T, H=H, K=K, V=V, BK=BK,
+                                BV=BV)
+    return dq, dk, dv, dg, dbeta, dkeep.to(keep.dtype), dh0
