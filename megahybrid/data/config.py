@@ -67,15 +67,22 @@ class DataConfig:
         first = self.all_prefixes()[0]
         return os.path.join(os.path.dirname(os.path.abspath(first)), "index-cache")
 
-    def validate(self, seq_length: int | None = None, model_vocab_size: int | None = None) -> None:
+    def validate(
+        self,
+        seq_length: int | None = None,
+        model_vocab_size: int | None = None,
+        num_samples: tuple[int, int, int] | None = None,
+    ) -> None:
         """Check fields, files and tokenizer before training starts; raise `DataError` on the first problem.
 
-        seq_length: the model's sequence length; each split must hold at least one packed sample of
-            seq_length + 1 tokens. model_vocab_size: the model's (padded) vocabulary size; the tokenizer's
-            vocabulary must fit into it.
+        seq_length: the model's sequence length; each split that will be read must hold at least one packed
+            sample of seq_length + 1 tokens. model_vocab_size: the model's (padded) vocabulary size; the
+            tokenizer's vocabulary must fit into it. num_samples: (train, valid, test) samples the run will draw;
+            splits with 0 are not checked for size (None: every split with data is).
         """
         self._check_fields()
-        split_vector = None if self.uses_per_split_blends else parse_split(self.split)
+        if not self.uses_per_split_blends:
+            parse_split(self.split)
         for name, (prefixes, weights) in self.blends().items():
             field_name = "prefixes" if name == "all" else f"{name}_prefixes"
             _check_blend(field_name, prefixes, weights)
@@ -85,7 +92,7 @@ class DataConfig:
         for prefix in self.all_prefixes():
             _check_prefix_tokenizer(prefix, self.tokenizer_model, vocab_size)
         if seq_length is not None:
-            self._check_enough_tokens(seq_length, split_vector)
+            self.check_enough_tokens(seq_length, num_samples)
 
     def _check_fields(self) -> None:
         if self.uses_per_split_blends and self.prefixes:
@@ -120,15 +127,21 @@ class DataConfig:
             )
         return vocab_size
 
-    def _check_enough_tokens(self, seq_length: int, split_vector: list[float] | None) -> None:
+    def check_enough_tokens(self, seq_length: int, num_samples: tuple[int, int, int] | None = None) -> None:
+        """Every split that will be read holds at least one sample of seq_length + 1 tokens in each prefix.
+
+        megatron's GPTDataset repeats epochs until it has the requested samples, so an empty part would hang it.
+        """
         need = seq_length + 1
+        wanted = {s for i, s in enumerate(SPLITS) if num_samples is None or num_samples[i] > 0}
+        split_vector = None if self.uses_per_split_blends else parse_split(self.split)
         for name, (prefixes, _) in self.blends().items():
             field_name = "prefixes" if name == "all" else f"{name}_prefixes"
             for prefix in prefixes:
                 lengths = _sequence_lengths(prefix)
                 portions = _split_token_counts(lengths, split_vector) if name == "all" else {name: lengths.sum()}
                 for split_name, tokens in portions.items():
-                    if tokens < need:
+                    if split_name in wanted and tokens < need:
                         raise DataError(
                             f"data.{field_name}: {prefix} has {tokens} tokens in its {split_name} part, fewer than "
                             f"one sample of seq_length+1 = {need}: add data, shorten seq_length or change data.split"

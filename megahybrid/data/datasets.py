@@ -84,16 +84,29 @@ def build_datasets(
         raise DataError(f"seq_length is {seq_length}: use a positive model sequence length")
     if len(num_samples) != 3 or any(n < 0 for n in num_samples):
         raise DataError(f"num_samples is {num_samples}: give (train, valid, test) sample counts >= 0")
+    sizes = [int(n) for n in num_samples]
+    cfg.check_enough_tokens(seq_length, tuple(sizes))
     tokenizer = tokenizer or SentencePieceTokenizer(cfg.tokenizer_model)
     config = gpt_dataset_config(cfg, tokenizer, seq_length)
+    _skip_unrequested_splits(config, sizes)
     os.makedirs(config.path_to_cache, exist_ok=True)
-    sizes = [int(n) for n in num_samples]
     with _quiet_megatron(), _single_process_rank():
         built = BlendedMegatronDatasetBuilder(
             GPTDataset, sizes, is_built_on_rank or (lambda: True), config
         ).build()
     built = [ds if n > 0 else None for ds, n in zip(built, sizes)]
     return SplitDatasets(*built)
+
+
+def _skip_unrequested_splits(config, sizes: list[int]) -> None:
+    """Build nothing for a split with 0 samples requested: an empty part would make megatron loop forever
+    looking for one sample. Other splits keep their document ranges."""
+    for i, size in enumerate(sizes):
+        if size == 0:
+            if config.blend_per_split is not None:
+                config.blend_per_split[i] = None
+            else:
+                config.split_matrix[i] = None
 
 
 def _data_fingerprint(prefixes: list[str]) -> str:

@@ -95,8 +95,9 @@ def train_sentencepiece(
 ) -> str:
     """Train a SentencePiece model on `texts` and write `output_prefix.model` / `.vocab`; returns the .model path.
 
-    Each text may hold several lines; SentencePiece sees one line per sentence. Byte fallback keeps every
-    string encodable; digits are split so numbers tokenize uniformly.
+    Each text may hold several lines; SentencePiece sees one line per sentence. Encoding is lossless: decode
+    returns the exact text (newlines included). Byte fallback keeps every string encodable; digits are split
+    so numbers tokenize uniformly.
     """
     from megahybrid.data.config import DataError
 
@@ -113,6 +114,11 @@ def train_sentencepiece(
             character_coverage=1.0,
             byte_fallback=True,
             split_digits=True,
+            # Identity normalization keeps the text exact; "\n" as a user symbol keeps line and paragraph breaks,
+            # which the default NFKC rules turn into spaces.
+            normalization_rule_name="identity",
+            remove_extra_whitespaces=False,
+            user_defined_symbols=["\n"],
             unk_id=UNK_ID,
             bos_id=BOS_ID,
             eos_id=EOS_ID,
