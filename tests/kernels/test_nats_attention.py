@@ -12,6 +12,7 @@ from kernels.nats.attention import (
     selected_attention_prefill,
     selected_attention_step,
 )
+from kernels.nats.attention import chunk as attention_chunk
 from kernels.nats.attention.chunk import chunk_selected_attention_fwd
 from tests.utils import assert_close, requires_gpu, test_device
 
@@ -52,6 +53,16 @@ def test_matches_naive(T, nan_empty):
     grads_ref = check_against_naive(q, k, v, keep, do, TOL_FP32)
     if T > 64:
         assert grads_ref[3].abs().sum() > 0, "the keep gradient must be exercised"
+
+
+@pytest.mark.parametrize("G", [1, 4])
+def test_query_chunks_per_program(G, nan_empty, monkeypatch):
+    """The forward and dQ kernels take G query chunks per program (mask across the program's own chunks)."""
+    cfg = {"fwd": {"G": G}, "dkdv": {}, "dq": {"G": G}}
+    monkeypatch.setattr(attention_chunk, "CPU_CONFIG", cfg)
+    monkeypatch.setattr(attention_chunk, "GPU_CONFIG", {**attention_chunk.GPU_CONFIG, "fwd": {"G": G}, "dq": {"G": G}})
+    q, k, v, keep, do = make_inputs(1, 300, 2, 32, seed=10 + G)
+    check_against_naive(q, k, v, keep, do, TOL_FP32)
 
 
 def test_small_chunks_odd_head_dim(nan_empty):
@@ -103,7 +114,8 @@ def test_all_zeros_equals_chunk_local_attention(nan_empty):
     T, C = 150, 64
     q, k, v, keep, do = make_inputs(1, T, 2, 32, p_keep=0.0, seed=5)
     chunk = torch.arange(T, device=q.device) // C
-    mask = (chunk[:, None] == chunk[None, :]) & (torch.arange(T, device=q.device)[:, None] >= torch.arange(T, device=q.device)[None, :])
+    pos = torch.arange(T, device=q.device)
+    mask = (chunk[:, None] == chunk[None, :]) & (pos[:, None] >= pos[None, :])
     sdpa = lambda q, k, v, keep: F.scaled_dot_product_attention(  # noqa: E731
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask).transpose(1, 2) + 0 * keep.sum()
     o, grads = run_with_grads(chunk_selected_attention, q, k, v, keep, do)

@@ -11,21 +11,46 @@ import torch
 import triton
 import triton.language as tl
 
+LOG2E = 1.4426950408889634
+
 
 @triton.jit
-def _load_rows(ptr, rows, o_d, m_rows, m_d, stride_t, TRANS: tl.constexpr):
-    # A [rows, D] tile, or its transpose [D, rows] read through transposed pointers when TRANS.
+def _load_tile(ptr, rows, m_rows, stride_t, D: tl.constexpr, BD: tl.constexpr, TRANS: tl.constexpr,
+               MASK_ROWS: tl.constexpr):
+    # A [rows, D] tile, or its transpose [D, rows] read through transposed pointers when TRANS. Masks are only
+    # built where needed (padded head dim, a partial last chunk) so full tiles load unmasked.
+    o_d = tl.arange(0, BD)
     if TRANS:
-        return tl.load(ptr + rows[None, :] * stride_t + o_d[:, None], mask=m_d[:, None] & m_rows[None, :], other=0.0)
-    return tl.load(ptr + rows[:, None] * stride_t + o_d[None, :], mask=m_rows[:, None] & m_d[None, :], other=0.0)
+        ptrs = ptr + rows[None, :] * stride_t + o_d[:, None]
+        mask = (o_d[:, None] < D) & m_rows[None, :] if MASK_ROWS else (o_d[:, None] < D)
+    else:
+        ptrs = ptr + rows[:, None] * stride_t + o_d[None, :]
+        mask = m_rows[:, None] & (o_d[None, :] < D) if MASK_ROWS else (o_d[None, :] < D)
+    if MASK_ROWS or BD != D:
+        return tl.load(ptrs, mask=mask, other=0.0)
+    return tl.load(ptrs)
 
 
 @triton.jit
-def _online_softmax_step(b_q, b_kt, b_v, b_m, b_l, b_o, qk_scale, b_mask, PREC: tl.constexpr, MASKED: tl.constexpr):
+def _near_mask(o_t, c, kept_c, T, BT: tl.constexpr):
+    # Visibility of the keys of chunk c (one of the program's own query chunks) from query rows o_t: causal
+    # inside the query's own chunk, whole chunk from later chunks of the program when c is kept.
+    o_s = c * BT + tl.arange(0, BT)
+    c_t = o_t // BT
+    # kept_c is 0 or 1: (c_t - c) * kept_c > 0 means "later chunk and c kept".
+    vis = ((c_t[:, None] == c) & (o_t[:, None] >= o_s[None, :])) | ((c_t[:, None] - c) * kept_c > 0)
+    return vis & (o_s[None, :] < T)
+
+
+@triton.jit
+def _softmax_step(b_q, b_kt, b_v, b_m, b_l, b_o, qk_scale, b_mask, PREC: tl.constexpr, MASKED: tl.constexpr):
     b_s = tl.dot(b_q, b_kt, input_precision=PREC) * qk_scale
     if MASKED:
         b_s = tl.where(b_mask, b_s, float("-inf"))
     b_mn = tl.maximum(b_m, tl.max(b_s, 1))
+    if MASKED:
+        # A row may have seen no key yet (its own chunk comes later in the program); keep exp2 away from NaN.
+        b_mn = tl.where(b_mn == float("-inf"), 0.0, b_mn)
     b_r = tl.exp2(b_m - b_mn)
     b_p = tl.exp2(b_s - b_mn[:, None])
     b_l = b_l * b_r + tl.sum(b_p, 1)
@@ -34,81 +59,100 @@ def _online_softmax_step(b_q, b_kt, b_v, b_m, b_l, b_o, qk_scale, b_mask, PREC: 
 
 
 @triton.jit
-def _fwd_far_step(j, b_q, b_m, b_l, b_o, k, v, far_idx, o_d, m_d, stride_t, qk_scale, BT: tl.constexpr, PREC: tl.constexpr):
-    # The j-th kept earlier chunk: all of its keys are visible, no mask.
+def _fwd_far_step(j, b_q, b_m, b_l, b_o, k, v, far_idx, stride_t, qk_scale,
+                  D: tl.constexpr, BD: tl.constexpr, BT: tl.constexpr, PREC: tl.constexpr):
+    # The j-th kept chunk before the program's first query chunk: all keys visible, no mask.
     rows = tl.load(far_idx + j).to(tl.int64) * BT + tl.arange(0, BT)
-    m_all = tl.full([BT], 1, dtype=tl.int1)
-    b_kt = _load_rows(k, rows, o_d, m_all, m_d, stride_t, True)
-    b_v = _load_rows(v, rows, o_d, m_all, m_d, stride_t, False)
-    return _online_softmax_step(b_q, b_kt, b_v, b_m, b_l, b_o, qk_scale, None, PREC, False)
+    b_kt = _load_tile(k, rows, None, stride_t, D, BD, True, False)
+    b_v = _load_tile(v, rows, None, stride_t, D, BD, False, False)
+    return _softmax_step(b_q, b_kt, b_v, b_m, b_l, b_o, qk_scale, None, PREC, False)
 
 
 @triton.jit
 def _fwd_kernel(
-    q, k_far, v_far, k, v, o, lse, far_idx, n_far, qk_scale,
+    q, k_far, v_far, k, v, o, lse, keep, far_idx, n_far, qk_scale,
     T, NC, s_fb, s_fh, s_ft,
-    H: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BT: tl.constexpr, PREC: tl.constexpr,
+    H: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BT: tl.constexpr, G: tl.constexpr, PREC: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
-    # INTERPRET: the interpreter (with numpy >= 2.4) cannot take a loaded scalar as a range() bound, so it runs
-    # the same loop bodies under a while loop; compiled code keeps the for loop, which Triton pipelines.
-    # One program = one query chunk of one (b, h). Keys come from `k_far` (the kept earlier chunks, rows
-    # far_idx[j] * BT ...) and from the own chunk of `k`, so the same kernel serves a compacted K/V buffer.
-    i_t, i_bh = tl.program_id(0), tl.program_id(1)
+    # One program = G consecutive query chunks of one (b, h), heaviest (latest) programs launched first. Keys come
+    # from `k_far` (kept chunks before the program's chunks, rows far_idx[j] * BT ...), then from the program's own
+    # G chunks of `k` under the selection mask; `k_far` may also be a compacted K/V buffer.
+    # INTERPRET: the interpreter (numpy >= 2.4) cannot use a loaded scalar as a range() bound, so it runs the same
+    # loop body in a while loop; compiled code keeps the for loop, which Triton software-pipelines.
+    i_m, i_bh = tl.num_programs(0) - 1 - tl.program_id(0), tl.program_id(1)
     i_b, i_h = (i_bh // H).to(tl.int64), (i_bh % H).to(tl.int64)
-    o_t = i_t * BT + tl.arange(0, BT)
-    o_d = tl.arange(0, BD)
-    m_t, m_d = o_t < T, o_d < D
+    BM: tl.constexpr = G * BT
+    o_t = i_m * BM + tl.arange(0, BM)
+    m_t = o_t < T
     base = (i_b * T * H + i_h) * D
-    b_q = _load_rows(q + base, o_t, o_d, m_t, m_d, H * D, False)
-    b_m = tl.full([BT], float("-inf"), dtype=tl.float32)
-    b_l = tl.zeros([BT], dtype=tl.float32)
-    b_o = tl.zeros([BT, BD], dtype=tl.float32)
-    far = k_far + i_b * s_fb + i_h * s_fh
-    far_v = v_far + i_b * s_fb + i_h * s_fh
+    b_q = _load_tile(q + base, o_t, m_t, H * D, D, BD, False, True)
+    b_m = tl.full([BM], float("-inf"), dtype=tl.float32)
+    b_l = tl.zeros([BM], dtype=tl.float32)
+    b_o = tl.zeros([BM, BD], dtype=tl.float32)
+    far, far_v = k_far + i_b * s_fb + i_h * s_fh, v_far + i_b * s_fb + i_h * s_fh
+    keep += i_bh * NC
     far_idx += i_bh * NC
-    n = tl.load(n_far + i_bh * NC + i_t)
+    n = tl.load(n_far + i_bh * NC + i_m * G)
     if INTERPRET:
         j = 0
         while j < n:
-            b_m, b_l, b_o = _fwd_far_step(j, b_q, b_m, b_l, b_o, far, far_v, far_idx, o_d, m_d, s_ft, qk_scale, BT, PREC)
+            b_m, b_l, b_o = _fwd_far_step(j, b_q, b_m, b_l, b_o, far, far_v, far_idx, s_ft, qk_scale, D, BD, BT, PREC)
             j += 1
     else:
         for j in range(n):
-            b_m, b_l, b_o = _fwd_far_step(j, b_q, b_m, b_l, b_o, far, far_v, far_idx, o_d, m_d, s_ft, qk_scale, BT, PREC)
-    # Own chunk, causal: every valid row sees at least its own key, so its b_m ends finite.
-    b_kt = _load_rows(k + base, o_t, o_d, m_t, m_d, H * D, True)
-    b_v = _load_rows(v + base, o_t, o_d, m_t, m_d, H * D, False)
-    b_mask = (o_t[:, None] >= o_t[None, :]) & m_t[None, :]
-    b_m, b_l, b_o = _online_softmax_step(b_q, b_kt, b_v, b_m, b_l, b_o, qk_scale, b_mask, PREC, True)
+            b_m, b_l, b_o = _fwd_far_step(j, b_q, b_m, b_l, b_o, far, far_v, far_idx, s_ft, qk_scale, D, BD, BT, PREC)
+    for g in tl.static_range(G):
+        c = i_m * G + g
+        o_s = c * BT + tl.arange(0, BT)
+        kept_c = (tl.load(keep + c, mask=c < NC, other=0.0) == 1).to(tl.int32)
+        b_kt = _load_tile(k + base, o_s, o_s < T, H * D, D, BD, True, True)
+        b_v = _load_tile(v + base, o_s, o_s < T, H * D, D, BD, False, True)
+        b_mask = _near_mask(o_t, c, kept_c, T, BT)
+        b_m, b_l, b_o = _softmax_step(b_q, b_kt, b_v, b_m, b_l, b_o, qk_scale, b_mask, PREC, True)
+    b_l = tl.where(m_t, b_l, 1.0)  # padding rows past T saw no key
     b_o = b_o / b_l[:, None]
-    tl.store(o + base + o_t[:, None] * (H * D) + o_d[None, :], b_o.to(o.dtype.element_ty), mask=m_t[:, None] & m_d[None, :])
+    o_d = tl.arange(0, BD)
+    tl.store(o + base + o_t[:, None] * (H * D) + o_d[None, :], b_o.to(o.dtype.element_ty),
+             mask=m_t[:, None] & (o_d[None, :] < D))
     tl.store(lse + i_bh * T + o_t, b_m + tl.log2(b_l), mask=m_t)
 
 
 @triton.jit
-def _dkdv_step(b_k, b_v, q, do, lse, delta, o_q, o_d, m_d, T, stride_t, qk_scale, b_mask, PREC: tl.constexpr):
-    # Scores of key chunk rows against one query chunk, transposed: S^T = K Q^T, dS^T = P^T (dP^T - Delta).
+def _dkdv_step(b_k, b_v, q, do, lse, delta, o_q, T, stride_t, qk_scale, b_mask,
+               D: tl.constexpr, BD: tl.constexpr, PREC: tl.constexpr, MASK_ROWS: tl.constexpr):
+    # Key chunk against one query chunk, transposed: S^T = K Q^T, P^T, dS^T = P^T (dP^T - Delta).
     m_q = o_q < T
-    b_qt = _load_rows(q, o_q, o_d, m_q, m_d, stride_t, True)
-    b_do = _load_rows(do, o_q, o_d, m_q, m_d, stride_t, False)
-    b_lse = tl.load(lse + o_q, mask=m_q, other=0.0)
-    b_delta = tl.load(delta + o_q, mask=m_q, other=0.0)
+    b_qt = _load_tile(q, o_q, m_q, stride_t, D, BD, True, MASK_ROWS)
+    b_do = _load_tile(do, o_q, m_q, stride_t, D, BD, False, MASK_ROWS)
+    if MASK_ROWS:
+        b_lse = tl.load(lse + o_q, mask=m_q, other=0.0)
+        b_delta = tl.load(delta + o_q, mask=m_q, other=0.0)
+    else:
+        b_lse = tl.load(lse + o_q)
+        b_delta = tl.load(delta + o_q)
     b_st = tl.dot(b_k, b_qt, input_precision=PREC) * qk_scale
-    b_pt = tl.where(b_mask & m_q[None, :], tl.exp2(b_st - b_lse[None, :]), 0.0)
+    b_pt = tl.exp2(b_st - b_lse[None, :])
+    if MASK_ROWS:
+        b_pt = tl.where(b_mask & m_q[None, :], b_pt, 0.0)
     b_dpt = tl.dot(b_v, tl.trans(b_do), input_precision=PREC)
     b_dst = b_pt * (b_dpt - b_delta[None, :])
     return b_pt, b_dst, b_qt, b_do
 
 
 @triton.jit
-def _dkdv_later_step(i_q, b_k, b_v, b_dk, b_dv, b_dkeep, b_w, q, do, lse, delta, o_d, m_d, T, stride_t, qk_scale,
-                     BT: tl.constexpr, PREC: tl.constexpr, GRAD_UNSELECTED: tl.constexpr):
-    # Query chunk i_q after the key chunk: no causal mask; its dS feeds the keep gradient. With GRAD_UNSELECTED
-    # an unselected chunk (b_w = 0) is visited for that gradient only.
+def _dkdv_later_step(i_q, b_k, b_v, b_dk, b_dv, b_dkeep, b_w, q, do, lse, delta, T, NC, stride_t, qk_scale,
+                     D: tl.constexpr, BD: tl.constexpr, BT: tl.constexpr, PREC: tl.constexpr,
+                     GRAD_UNSELECTED: tl.constexpr):
+    # Query chunk i_q after the key chunk: no causal mask (only the partial last chunk is row-masked); its dS
+    # feeds the keep gradient. With GRAD_UNSELECTED an unselected chunk (b_w = 0) is visited for that only.
     o_q = i_q * BT + tl.arange(0, BT)
-    m_all = tl.full([BT, BT], 1, dtype=tl.int1)
-    b_pt, b_dst, b_qt, b_do = _dkdv_step(b_k, b_v, q, do, lse, delta, o_q, o_d, m_d, T, stride_t, qk_scale, m_all, PREC)
+    if i_q == NC - 1:
+        b_pt, b_dst, b_qt, b_do = _dkdv_step(b_k, b_v, q, do, lse, delta, o_q, T, stride_t, qk_scale,
+                                             tl.full([BT, BT], 1, dtype=tl.int1), D, BD, PREC, True)
+    else:
+        b_pt, b_dst, b_qt, b_do = _dkdv_step(b_k, b_v, q, do, lse, delta, o_q, T, stride_t, qk_scale, None,
+                                             D, BD, PREC, False)
     b_dkeep += tl.sum(b_dst, 1)
     if GRAD_UNSELECTED:
         b_pt, b_dst = b_pt * b_w, b_dst * b_w
@@ -118,50 +162,26 @@ def _dkdv_later_step(i_q, b_k, b_v, b_dk, b_dv, b_dkeep, b_w, q, do, lse, delta,
 
 
 @triton.jit
-def _dq_step(b_q, b_do, b_lse, b_delta, k, v, o_k, o_d, m_k, m_d, stride_t, qk_scale, b_mask, PREC: tl.constexpr,
-             MASKED: tl.constexpr):
-    b_kt = _load_rows(k, o_k, o_d, m_k, m_d, stride_t, True)
-    b_vt = _load_rows(v, o_k, o_d, m_k, m_d, stride_t, True)
-    b_s = tl.dot(b_q, b_kt, input_precision=PREC) * qk_scale
-    if MASKED:
-        b_p = tl.where(b_mask, tl.exp2(b_s - b_lse[:, None]), 0.0)
-    else:
-        b_p = tl.exp2(b_s - b_lse[:, None])
-    b_ds = b_p * (tl.dot(b_do, b_vt, input_precision=PREC) - b_delta[:, None])
-    return tl.dot(b_ds.to(b_kt.dtype), tl.trans(b_kt), input_precision=PREC)
-
-
-@triton.jit
-def _dq_far_step(j, b_q, b_do, b_lse, b_delta, k, v, far_idx, o_d, m_d, stride_t, qk_scale,
-                 BT: tl.constexpr, PREC: tl.constexpr):
-    o_k = tl.load(far_idx + j).to(tl.int64) * BT + tl.arange(0, BT)
-    m_k = tl.full([BT], 1, dtype=tl.int1)
-    return _dq_step(b_q, b_do, b_lse, b_delta, k, v, o_k, o_d, m_k, m_d, stride_t, qk_scale, None, PREC, False)
-
-
-@triton.jit
-def _bwd_kernel(
-    q, k, v, do, lse, delta, keep, far_idx, n_far, dq, dk, dv, dkeep, qk_scale, scale,
+def _bwd_dkdv_kernel(
+    q, k, v, do, lse, delta, keep, dk, dv, dkeep, qk_scale, scale,
     T, NC,
     H: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BT: tl.constexpr, PREC: tl.constexpr,
     GRAD_UNSELECTED: tl.constexpr, INTERPRET: tl.constexpr,
 ):
-    # Program c computes dK, dV and dkeep of key chunk c, then dQ of query chunk c. Transposed operands are
-    # loaded through transposed pointers; tl.trans is applied to loaded tiles only, never to a tl.dot result
-    # (Triton 3.6 on Hopper miscompiles that).
+    # Program c: dK, dV of key chunk c from its own query chunk (causal) and, when c is kept, from every later
+    # query chunk, whose Σ dS is the keep gradient. Transposed operands come from transposed loads; tl.trans is
+    # applied to loaded tiles only, never to a tl.dot result (Triton 3.6 on Hopper miscompiles that).
     i_c, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = (i_bh // H).to(tl.int64), (i_bh % H).to(tl.int64)
     base = (i_b * T * H + i_h) * D
-    q, k, v, do, dq, dk, dv = q + base, k + base, v + base, do + base, dq + base, dk + base, dv + base
+    q, k, v, do, dk, dv = q + base, k + base, v + base, do + base, dk + base, dv + base
     lse, delta = lse + i_bh * T, delta + i_bh * T
-    o_d = tl.arange(0, BD)
-    m_d = o_d < D
     o_c = i_c * BT + tl.arange(0, BT)
     m_c = o_c < T
-    b_k = _load_rows(k, o_c, o_d, m_c, m_d, H * D, False)
-    b_v = _load_rows(v, o_c, o_d, m_c, m_d, H * D, False)
-    b_pt, b_dst, b_qt, b_do = _dkdv_step(
-        b_k, b_v, q, do, lse, delta, o_c, o_d, m_d, T, H * D, qk_scale, o_c[None, :] >= o_c[:, None], PREC)
+    b_k = _load_tile(k, o_c, m_c, H * D, D, BD, False, True)
+    b_v = _load_tile(v, o_c, m_c, H * D, D, BD, False, True)
+    b_pt, b_dst, b_qt, b_do = _dkdv_step(b_k, b_v, q, do, lse, delta, o_c, T, H * D, qk_scale,
+                                         o_c[None, :] >= o_c[:, None], D, BD, PREC, True)
     b_dv = tl.dot(b_pt.to(b_do.dtype), b_do, input_precision=PREC)
     b_dk = tl.dot(b_dst.to(b_qt.dtype), tl.trans(b_qt), input_precision=PREC)
     kept = tl.load(keep + i_bh * NC + i_c) == 1
@@ -175,34 +195,80 @@ def _bwd_kernel(
         i = 0
         while i < n_later:
             b_dk, b_dv, b_dkeep = _dkdv_later_step(i_c + 1 + i, b_k, b_v, b_dk, b_dv, b_dkeep, b_w, q, do, lse, delta,
-                                                   o_d, m_d, T, H * D, qk_scale, BT, PREC, GRAD_UNSELECTED)
+                                                   T, NC, H * D, qk_scale, D, BD, BT, PREC, GRAD_UNSELECTED)
             i += 1
     else:
         for i in range(n_later):
             b_dk, b_dv, b_dkeep = _dkdv_later_step(i_c + 1 + i, b_k, b_v, b_dk, b_dv, b_dkeep, b_w, q, do, lse, delta,
-                                                   o_d, m_d, T, H * D, qk_scale, BT, PREC, GRAD_UNSELECTED)
-    m_cd = m_c[:, None] & m_d[None, :]
+                                                   T, NC, H * D, qk_scale, D, BD, BT, PREC, GRAD_UNSELECTED)
+    o_d = tl.arange(0, BD)
+    m_cd = m_c[:, None] & (o_d[None, :] < D)
     tl.store(dk + o_c[:, None] * (H * D) + o_d[None, :], (b_dk * scale).to(dk.dtype.element_ty), mask=m_cd)
     tl.store(dv + o_c[:, None] * (H * D) + o_d[None, :], b_dv.to(dv.dtype.element_ty), mask=m_cd)
     tl.store(dkeep + i_bh * NC + i_c, tl.sum(b_dkeep, 0))
 
-    b_q = _load_rows(q, o_c, o_d, m_c, m_d, H * D, False)
-    b_do = _load_rows(do, o_c, o_d, m_c, m_d, H * D, False)
-    b_lse = tl.load(lse + o_c, mask=m_c, other=0.0)
-    b_delta = tl.load(delta + o_c, mask=m_c, other=0.0)
-    b_dq = _dq_step(b_q, b_do, b_lse, b_delta, k, v, o_c, o_d, m_c, m_d, H * D, qk_scale,
-                    (o_c[:, None] >= o_c[None, :]) & m_c[None, :], PREC, True)
+
+@triton.jit
+def _dq_step(b_q, b_do, b_lse, b_delta, b_kt, b_vt, qk_scale, b_mask, PREC: tl.constexpr, MASKED: tl.constexpr):
+    b_s = tl.dot(b_q, b_kt, input_precision=PREC) * qk_scale
+    b_p = tl.exp2(b_s - b_lse[:, None])
+    if MASKED:
+        b_p = tl.where(b_mask, b_p, 0.0)
+    b_ds = b_p * (tl.dot(b_do, b_vt, input_precision=PREC) - b_delta[:, None])
+    return tl.dot(b_ds.to(b_kt.dtype), tl.trans(b_kt), input_precision=PREC)
+
+
+@triton.jit
+def _dq_far_step(j, b_q, b_do, b_lse, b_delta, k, v, far_idx, stride_t, qk_scale,
+                 D: tl.constexpr, BD: tl.constexpr, BT: tl.constexpr, PREC: tl.constexpr):
+    rows = tl.load(far_idx + j).to(tl.int64) * BT + tl.arange(0, BT)
+    b_kt = _load_tile(k, rows, None, stride_t, D, BD, True, False)
+    b_vt = _load_tile(v, rows, None, stride_t, D, BD, True, False)
+    return _dq_step(b_q, b_do, b_lse, b_delta, b_kt, b_vt, qk_scale, None, PREC, False)
+
+
+@triton.jit
+def _bwd_dq_kernel(
+    q, k, v, do, lse, delta, keep, far_idx, n_far, dq, qk_scale, scale,
+    T, NC,
+    H: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BT: tl.constexpr, G: tl.constexpr, PREC: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    # dQ of G consecutive query chunks, visiting the same keys as the forward (kept list, then own chunks).
+    i_m, i_bh = tl.num_programs(0) - 1 - tl.program_id(0), tl.program_id(1)
+    i_b, i_h = (i_bh // H).to(tl.int64), (i_bh % H).to(tl.int64)
+    base = (i_b * T * H + i_h) * D
+    q, k, v, do, dq = q + base, k + base, v + base, do + base, dq + base
+    BM: tl.constexpr = G * BT
+    o_t = i_m * BM + tl.arange(0, BM)
+    m_t = o_t < T
+    b_q = _load_tile(q, o_t, m_t, H * D, D, BD, False, True)
+    b_do = _load_tile(do, o_t, m_t, H * D, D, BD, False, True)
+    b_lse = tl.load(lse + i_bh * T + o_t, mask=m_t, other=0.0)
+    b_delta = tl.load(delta + i_bh * T + o_t, mask=m_t, other=0.0)
+    b_dq = tl.zeros([BM, BD], dtype=tl.float32)
+    keep += i_bh * NC
     far_idx += i_bh * NC
-    n = tl.load(n_far + i_bh * NC + i_c)
+    n = tl.load(n_far + i_bh * NC + i_m * G)
     if INTERPRET:
         j = 0
         while j < n:
-            b_dq += _dq_far_step(j, b_q, b_do, b_lse, b_delta, k, v, far_idx, o_d, m_d, H * D, qk_scale, BT, PREC)
+            b_dq += _dq_far_step(j, b_q, b_do, b_lse, b_delta, k, v, far_idx, H * D, qk_scale, D, BD, BT, PREC)
             j += 1
     else:
         for j in range(n):
-            b_dq += _dq_far_step(j, b_q, b_do, b_lse, b_delta, k, v, far_idx, o_d, m_d, H * D, qk_scale, BT, PREC)
-    tl.store(dq + o_c[:, None] * (H * D) + o_d[None, :], (b_dq * scale).to(dq.dtype.element_ty), mask=m_cd)
+            b_dq += _dq_far_step(j, b_q, b_do, b_lse, b_delta, k, v, far_idx, H * D, qk_scale, D, BD, BT, PREC)
+    for g in tl.static_range(G):
+        c = i_m * G + g
+        o_s = c * BT + tl.arange(0, BT)
+        kept_c = (tl.load(keep + c, mask=c < NC, other=0.0) == 1).to(tl.int32)
+        b_kt = _load_tile(k, o_s, o_s < T, H * D, D, BD, True, True)
+        b_vt = _load_tile(v, o_s, o_s < T, H * D, D, BD, True, True)
+        b_mask = _near_mask(o_t, c, kept_c, T, BT)
+        b_dq += _dq_step(b_q, b_do, b_lse, b_delta, b_kt, b_vt, qk_scale, b_mask, PREC, True)
+    o_d = tl.arange(0, BD)
+    tl.store(dq + o_t[:, None] * (H * D) + o_d[None, :], (b_dq * scale).to(dq.dtype.element_ty),
+             mask=m_t[:, None] & (o_d[None, :] < D))
 
 
 def kept_chunk_lists(keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -235,8 +301,19 @@ def _interpret(q: torch.Tensor) -> bool:
     return q.device.type == "cpu"
 
 
-def _launch_opts(q: torch.Tensor) -> dict:
-    return {} if q.device.type == "cpu" else {"num_warps": 4, "num_stages": 2}
+# Launch settings on a GPU (the interpreter ignores warps and stages). G = query chunks per program.
+# tools/bench_nats_attention.py sweeps these; the values here are its choice on an H200.
+GPU_CONFIG = {
+    "fwd": {"G": 2, "num_warps": 8, "num_stages": 2},
+    "dkdv": {"num_warps": 4, "num_stages": 2},
+    "dq": {"G": 2, "num_warps": 8, "num_stages": 2},
+}
+# Under the interpreter only G matters; tests switch it to cover both program shapes.
+CPU_CONFIG = {"fwd": {"G": 2}, "dkdv": {}, "dq": {"G": 2}}
+
+
+def _config(q: torch.Tensor, kernel: str) -> dict:
+    return dict((CPU_CONFIG if q.device.type == "cpu" else GPU_CONFIG)[kernel])
 
 
 def chunk_selected_attention_fwd(
@@ -259,9 +336,10 @@ def chunk_selected_attention_fwd(
     else:
         k_far, v_far = k, v
         strides = (T * H * D, D, H * D)
-    _fwd_kernel[(NC, B * H)](
-        q, k_far, v_far, k, v, o, lse, far_idx, n_far, scale * 1.4426950408889634,
-        T, NC, *strides, H=H, D=D, BD=_block_d(D), BT=chunk_size, PREC=_precision(q), INTERPRET=_interpret(q), **_launch_opts(q),
+    cfg = _config(q, "fwd")
+    _fwd_kernel[(triton.cdiv(NC, cfg["G"]), B * H)](
+        q, k_far, v_far, k, v, o, lse, keep.float().contiguous(), far_idx, n_far, scale * LOG2E,
+        T, NC, *strides, H=H, D=D, BD=_block_d(D), BT=chunk_size, PREC=_precision(q), INTERPRET=_interpret(q), **cfg,
     )
     return o, lse
 
@@ -290,11 +368,15 @@ def chunk_selected_attention_bwd(
     delta = (o.float() * do.float()).sum(-1).transpose(1, 2).contiguous()
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     dkeep = torch.empty(B, H, NC, device=q.device, dtype=torch.float32)
-    _bwd_kernel[(NC, B * H)](
-        q, k, v, do, lse, delta, keep.float().contiguous(), far_idx, n_far, dq, dk, dv, dkeep,
-        scale * 1.4426950408889634, scale, T, NC,
-        H=H, D=D, BD=_block_d(D), BT=chunk_size, PREC=_precision(q), GRAD_UNSELECTED=grad_unselected,
-        INTERPRET=_interpret(q), **_launch_opts(q),
+    keep = keep.float().contiguous()
+    consts = dict(H=H, D=D, BD=_block_d(D), BT=chunk_size, PREC=_precision(q), INTERPRET=_interpret(q))
+    _bwd_dkdv_kernel[(NC, B * H)](
+        q, k, v, do, lse, delta, keep, dk, dv, dkeep, scale * LOG2E, scale, T, NC,
+        GRAD_UNSELECTED=grad_unselected, **consts, **_config(q, "dkdv"),
+    )
+    cfg = _config(q, "dq")
+    _bwd_dq_kernel[(triton.cdiv(NC, cfg["G"]), B * H)](
+        q, k, v, do, lse, delta, keep, far_idx, n_far, dq, scale * LOG2E, scale, T, NC, **consts, **cfg,
     )
     return dq, dk, dv, dkeep
 
