@@ -1,0 +1,200 @@
+"""Chunk-selected Gated DeltaNet: Triton kernels vs the fp32 naive definition (CPU: interpreter, fp32)."""
+import math
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels.nats import chunk_selected_gdn, chunk_selected_gdn_step
+from kernels.nats.gdn import naive_chunk_selected_gdn
+from tests.utils import HAS_CUDA, assert_close, rel_rms_error, requires_gpu, test_device
+
+DEV = test_device()
+# fp32 on a GPU runs tl.dot in tf32; in the interpreter it is exact fp32
+FP32_TOL = 1e-2 if HAS_CUDA else 1e-4
+NAMES = ["q", "k", "v", "g", "beta", "keep", "h0"]
+
+
+def make_inputs(B, T, H, K, V, dtype=torch.float32, keep_p=0.5, seed=0, device=DEV):
+    gen = torch.Generator().manual_seed(seed)
+    rnd = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
+    NT = math.ceil(T / 64)
+    q = F.normalize(rnd(B, T, H, K), dim=-1)
+    k = F.normalize(rnd(B, T, H, K), dim=-1)
+    v = rnd(B, T, H, V)
+    g = F.logsigmoid(rnd(B, T, H) + 3.0)
+    beta = torch.rand(B, T, H, generator=gen)
+    keep = (torch.rand(B, H, NT, generator=gen) < keep_p).float()
+    h0 = 0.5 * rnd(B, H, K, V)
+    xs = [q.to(dtype), k.to(dtype), v.to(dtype), g, beta.to(dtype), keep, h0]
+    return [x.to(device) for x in xs]
+
+
+def run_op(fn, inputs, do, dht, **kw):
+    """Output, final state and the gradients of sum(o * do) + sum(ht * dht) for every input."""
+    xs = [x.detach().clone().requires_grad_() for x in inputs]
+    o, ht = fn(*xs[:6], initial_state=xs[6], **kw)
+    ((o.float() * do).sum() + (ht.float() * dht).sum()).backward()
+    return o, ht, [x.grad for x in xs]
+
+
+def compare(inputs, tol, grad_tol=None, **kw):
+    B, T, H, K = inputs[0].shape
+    gen = torch.Generator().manual_seed(1)
+    do = torch.randn(B, T, H, inputs[2].shape[-1], generator=gen).to(inputs[0].device)
+    dht = torch.randn(B, H, K, inputs[2].shape[-1], generator=gen).to(inputs[0].device)
+    o, ht, grads = run_op(chunk_selected_gdn, inputs, do, dht, output_final_state=True, **kw)
+    ref_inputs = [x.float() for x in inputs]
+    ro, rht, rgrads = run_op(naive_chunk_selected_gdn, ref_inputs, do, dht, **kw)
+    errors = {"o": rel_rms_error(o, ro), "ht": rel_rms_error(ht, rht)}
+    errors.update({f"d{n}": rel_rms_error(a, b) for n, a, b in zip(NAMES, grads, rgrads)})
+    print(" ".join(f"{n}={e:.2e}" for n, e in errors.items()))
+    assert_close(o, ro, tol, "o")
+    assert_close(ht, rht, tol, "final state")
+    for n, a, b in zip(NAMES, grads, rgrads):
+        assert_close(a, b, grad_tol or tol, f"d{n}")
+    return errors
+
+
+@pytest.mark.parametrize("decay_dropped", [True, False])
+@pytest.mark.parametrize("T", [63, 64, 100, 300])
+def test_kernels_match_naive(T, decay_dropped, nan_empty):
+    compare(make_inputs(1, T, 2, 32, 16, seed=T), FP32_TOL, decay_dropped=decay_dropped)
+
+
+def test_odd_head_sizes_and_batch(nan_empty):
+    compare(make_inputs(2, 100, 2, 40, 48, seed=3), FP32_TOL)
+
+
+def test_dkeep_for_dropped_chunks_option(nan_empty):
+    inputs = make_inputs(1, 200, 2, 32, 16, seed=5)
+    assert (inputs[5] == 0).any() and (inputs[5] == 1).any()
+    compare(inputs, FP32_TOL, dkeep_dropped=True, decay_dropped=False)
+
+
+def test_dkeep_is_zero_where_dropped_by_default(nan_empty):
+    inputs = make_inputs(1, 200, 2, 32, 16, seed=6)
+    keep = inputs[5].clone().requires_grad_()
+    o, _ = chunk_selected_gdn(*inputs[:5], keep, initial_state=inputs[6])
+    o.sum().backward()
+    assert (keep.grad[keep == 0] == 0).all() and (keep.grad[keep == 1] != 0).all()
+
+
+def plain_gdn(q, k, v, g, beta, scale, h0):
+    """Independent Gated DeltaNet: S_t = e^{g_t} (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T."""
+    S, outs = h0.float().clone(), []
+    eye = torch.eye(q.shape[-1], device=q.device)
+    for t in range(q.shape[1]):
+        kt, bt = k[:, t].float(), beta[:, t].float()[..., None, None]
+        P = eye - bt * kt[..., :, None] * kt[..., None, :]
+        S = g[:, t].float().exp()[..., None, None] * (P @ S) + bt * kt[..., :, None] * v[:, t].float()[..., None, :]
+        outs.append(scale * (q[:, t].float()[..., None, :] @ S)[..., 0, :])
+    return torch.stack(outs, 1), S
+
+
+def test_keep_all_equals_plain_gdn(nan_empty):
+    q, k, v, g, beta, _, h0 = make_inputs(1, 150, 2, 32, 16, seed=7)
+    keep = torch.ones(1, 2, 3, device=DEV)
+    o, ht = chunk_selected_gdn(q, k, v, g, beta, keep, initial_state=h0, output_final_state=True)
+    ro, rht = plain_gdn(q, k, v, g, beta, 32 ** -0.5, h0)
+    assert_close(o, ro, FP32_TOL, "o")
+    assert_close(ht, rht, FP32_TOL, "final state")
+
+
+@pytest.mark.parametrize("decay_dropped", [True, False])
+def test_keep_none_rolls_back_to_initial_state(decay_dropped, nan_empty):
+    q, k, v, g, beta, _, h0 = make_inputs(1, 130, 2, 32, 16, seed=8)
+    keep = torch.zeros(1, 2, 3, device=DEV)
+    _, ht = chunk_selected_gdn(q, k, v, g, beta, keep, initial_state=h0, output_final_state=True,
+                               decay_dropped=decay_dropped)
+    expected = h0 * g.sum(1).exp()[..., None, None] if decay_dropped else h0
+    assert_close(ht, expected, FP32_TOL, "rolled-back state")
+
+
+def test_split_at_chunk_boundary_equals_one_call(nan_empty):
+    q, k, v, g, beta, keep, h0 = make_inputs(1, 228, 2, 32, 16, seed=9)
+    o, ht = chunk_selected_gdn(q, k, v, g, beta, keep, initial_state=h0, output_final_state=True)
+    s = 128
+    o1, h1 = chunk_selected_gdn(q[:, :s], k[:, :s], v[:, :s], g[:, :s], beta[:, :s], keep[..., :2],
+                                initial_state=h0, output_final_state=True)
+    o2, h2 = chunk_selected_gdn(q[:, s:], k[:, s:], v[:, s:], g[:, s:], beta[:, s:], keep[..., 2:],
+                                initial_state=h1, output_final_state=True)
+    assert_close(torch.cat([o1, o2], 1), o, FP32_TOL, "o")
+    assert_close(h2, ht, FP32_TOL, "final state")
+
+
+@pytest.mark.parametrize("decay_dropped", [True, False])
+def test_decode_steps_equal_chunk_op(decay_dropped, nan_empty):
+    q, k, v, g, beta, keep, h0 = make_inputs(1, 100, 2, 32, 16, seed=10)
+    o, ht = chunk_selected_gdn(q, k, v, g, beta, keep, initial_state=h0, output_final_state=True,
+                               decay_dropped=decay_dropped)
+    state, rollback, outs = h0.clone(), h0.clone(), []
+    for t in range(100):
+        last = t % 64 == 63 or t == 99
+        o_t, state, rollback = chunk_selected_gdn_step(
+            q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], state, rollback,
+            keep=keep[..., t // 64] if last else None, decay_dropped=decay_dropped)
+        outs.append(o_t)
+    assert_close(torch.stack(outs, 1), o, FP32_TOL, "o")
+    assert_close(state, ht, FP32_TOL, "final state")
+
+
+def test_qk_l2norm_option(nan_empty):
+    inputs = make_inputs(1, 70, 2, 32, 16, seed=11)
+    raw = [3.0 * inputs[0], 0.5 * inputs[1]] + inputs[2:]
+    o, _ = chunk_selected_gdn(*raw[:6], initial_state=raw[6], use_qk_l2norm=True)
+    ro, _ = naive_chunk_selected_gdn(*inputs[:6], initial_state=inputs[6])
+    assert_close(o, ro, FP32_TOL, "o")
+
+
+BAD = [
+    ("keep", lambda x: x[:, :, :1], "keep must be [B, H, ceil(T/64)]"),
+    ("g", lambda x: x[..., :1], "g and beta must be [B, T, H]"),
+    ("v", lambda x: x[:, :-1], "v must be [B, T, H, V]"),
+    ("k", lambda x: x[..., :-1], "q and k must both be [B, T, H, K]"),
+    ("h0", lambda x: x[..., :-1], "initial_state must be [B, H, K, V]"),
+    ("q", lambda x: x.double(), "q, k, v must share one float dtype"),
+]
+
+
+@pytest.mark.parametrize("name,mutate,message", BAD, ids=[b[0] + "-" + b[2][:12] for b in BAD])
+def test_bad_inputs(name, mutate, message):
+    inputs = dict(zip(NAMES, make_inputs(1, 70, 2, 16, 16)))
+    inputs[name] = mutate(inputs[name])
+    with pytest.raises(ValueError, match=re.escape(message)):
+        chunk_selected_gdn(*[inputs[n] for n in NAMES[:6]], initial_state=inputs["h0"])
+
+
+def test_bad_chunk_size_and_step_inputs():
+    q, k, v, g, beta, keep, h0 = make_inputs(1, 70, 2, 16, 16)
+    with pytest.raises(ValueError, match="chunk_size must be 64"):
+        chunk_selected_gdn(q, k, v, g, beta, keep, chunk_size=32)
+    with pytest.raises(ValueError, match="keep must be"):
+        chunk_selected_gdn_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], h0, h0, keep=keep)
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("T", [300, 1000])
+def test_gpu_bf16_matches_fp32_reference(T, nan_empty):
+    errors = compare(make_inputs(2, T, 4, 128, 256, dtype=torch.bfloat16, seed=T), 2e-2, grad_tol=5e-2)
+    assert max(errors.values()) < 5e-2
+
+
+@pytest.mark.gpu
+@requires_gpu
+def test_gpu_fp32_backward_large_heads(nan_empty):
+    compare(make_inputs(1, 300, 2, 128, 256, seed=4), 1e-2, decay_dropped=False, dkeep_dropped=True)
+
+
+@pytest.mark.gpu
+@requires_gpu
+def test_gpu_keep_all_equals_fla_forward():
+    fla_chunk = pytest.importorskip("fla.ops.gated_delta_rule", reason="flash-linear-attention not importable")
+    q, k, v, g, beta, _, h0 = make_inputs(2, 1000, 4, 128, 256, dtype=torch.bfloat16, seed=12)
+    keep = torch.ones(2, 4, 16, device=DEV)
+    o, ht = chunk_selected_gdn(q, k, v, g, beta, keep, initial_state=h0, output_final_state=True)
+    fo, fht = fla_chunk.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+    assert_close(o, fo, 1e-2, "o vs fla")
+    assert_close(ht, fht, 1e-2, "final state vs fla")
