@@ -188,17 +188,25 @@ BAD_CONFIGS = {
     "missing_bin": (lambda d, t: {"prefixes": [str(t / "nope")]}, "data.prefixes", "nope.bin does not exist"),
     "empty_dataset": (lambda d, t: {"prefixes": [_empty_prefix(t)]}, "data.prefixes", "holds no tokens"),
     "vocab_too_big": (lambda d, t: {}, "data.tokenizer_model", "model's vocab_size is 256"),
-    "missing_tokenizer": (lambda d, t: {"tokenizer_model": str(t / "x.model")}, "data.tokenizer_model", "does not exist"),
+    "missing_tokenizer": (
+        lambda d, t: {"tokenizer_model": str(t / "x.model")}, "data.tokenizer_model", "does not exist"
+    ),
     "no_tokenizer": (lambda d, t: {"tokenizer_model": ""}, "data.tokenizer_model", "is not set"),
-    "negative_weight": (lambda d, t: {"prefixes": [d["a"], d["b"]], "weights": [1.0, -1.0]}, "data.weights", "positive"),
+    "negative_weight": (
+        lambda d, t: {"prefixes": [d["a"], d["b"]], "weights": [1.0, -1.0]}, "data.weights", "positive"
+    ),
     "zero_weight": (lambda d, t: {"prefixes": [d["a"], d["b"]], "weights": [0.0, 1.0]}, "data.weights", "positive"),
-    "weights_mismatch": (lambda d, t: {"prefixes": [d["a"], d["b"]], "weights": [1.0]}, "data.weights", "1 weights for 2"),
+    "weights_mismatch": (
+        lambda d, t: {"prefixes": [d["a"], d["b"]], "weights": [1.0]}, "data.weights", "1 weights for 2"
+    ),
     "bad_split": (lambda d, t: {"split": "90,x,1"}, "data.split", "three non-negative numbers"),
     "zero_train_split": (lambda d, t: {"split": "0,1,0"}, "data.split", "train part must be positive"),
     "too_few_tokens": (lambda d, t: {"split": "99990,1,0"}, "data.prefixes", "fewer than one sample"),
     "both_blends": (lambda d, t: {"train_prefixes": [d["a"]]}, "data.prefixes", "both set"),
     "no_prefixes": (lambda d, t: {"prefixes": []}, "data.prefixes", "is empty"),
-    "other_tokenizer": (lambda d, t: {"tokenizer_model": _other_tokenizer(d)}, "data.tokenizer_model", "another tokenizer"),
+    "other_tokenizer": (
+        lambda d, t: {"tokenizer_model": _other_tokenizer(d)}, "data.tokenizer_model", "another tokenizer"
+    ),
 }
 
 

@@ -39,8 +39,9 @@ class DataConfig:
     test_weights: list[float] | None = None
     tokenizer_model: str = ""
     seed: int = 1234
-    # Threads megatron uses to build the per-prefix sample indices, and DataLoader worker processes for reads.
-    num_workers: int = 1
+    # DataLoader processes prefetching reads for MicroBatchLoader (0: read in the training process; the batches
+    # are the same either way); also the threads megatron builds per-prefix indices with (at least 1).
+    num_workers: int = 0
     # Where megatron caches its document/sample/shuffle indices; None: `<dir of first prefix>/index-cache`.
     cache_dir: str | None = None
 

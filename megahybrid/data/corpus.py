@@ -116,7 +116,9 @@ def _journey(rng: random.Random, towns: list[Town]) -> str:
             break
         direction = rng.choice(sorted(here.neighbours))
         there = by_name[here.neighbours[direction]]
-        lines.append(f"{walker} walked {direction} from {here.name} and came to {there.name}, on the river {there.river}.")
+        lines.append(
+            f"{walker} walked {direction} from {here.name} and came to {there.name}, on the river {there.river}."
+        )
         here = there
     lines.append(f"At the end of the day {walker} rested in {here.name}.")
     return " ".join(lines)
@@ -156,7 +158,8 @@ def _market(rng: random.Random, towns: list[Town]) -> str:
     buyer = rng.choice(_FIRST_NAMES)
     count_a, count_b = rng.randrange(1, 7), rng.randrange(1, 7)
     return (
-        f"On {rng.choice(_WEEKDAYS)} there is a market in {t.name}. You can buy {', '.join(goods[:-1])} and {goods[-1]}. "
+        f"On {rng.choice(_WEEKDAYS)} there is a market in {t.name}. "
+        f"You can buy {', '.join(goods[:-1])} and {goods[-1]}. "
         f"{buyer} bought {_NUMBER_WORDS[count_a]} {goods[0]} and {_NUMBER_WORDS[count_b]} {goods[1]}. "
         f"That is {count_a + count_b} things in all. "
         f"Near the market, {rng.randrange(2, 30)} {rng.choice(_ANIMALS)} stood in a pen, and traders sold {t.trade}."

@@ -84,6 +84,7 @@ def build_datasets(
         raise DataError(f"seq_length is {seq_length}: use a positive model sequence length")
     if len(num_samples) != 3 or any(n < 0 for n in num_samples):
         raise DataError(f"num_samples is {num_samples}: give (train, valid, test) sample counts >= 0")
+    check_helpers()
     sizes = [int(n) for n in num_samples]
     cfg.check_enough_tokens(seq_length, tuple(sizes))
     tokenizer = tokenizer or SentencePieceTokenizer(cfg.tokenizer_model)
@@ -96,6 +97,18 @@ def build_datasets(
         ).build()
     built = [ds if n > 0 else None for ds, n in zip(built, sizes)]
     return SplitDatasets(*built)
+
+
+def check_helpers() -> None:
+    """megatron's sample-index builder is C++ (`helpers_cpp`); its wheels ship it compiled (cp311 and cp312 here).
+    A source checkout needs `make -C megatron/core/datasets` with pybind11 and g++ first."""
+    try:
+        import megatron.core.datasets.helpers_cpp  # noqa: F401
+    except ImportError as err:
+        raise DataError(
+            f"megatron-core's compiled dataset helpers are missing ({err}): install the megatron-core wheel, or "
+            "run `make -C <site-packages>/megatron/core/datasets` with pybind11 and g++ installed"
+        ) from None
 
 
 def _skip_unrequested_splits(config, sizes: list[int]) -> None:

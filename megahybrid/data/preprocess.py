@@ -19,7 +19,9 @@ _JSON_EXT = (".jsonl", ".json", ".jsonl.gz", ".json.gz", ".jsonl.xz", ".json.xz"
 _PARQUET_EXT = (".parquet",)
 
 
-def load_documents(files: list[str], text_key: str = "text", text_sample_by: str = "paragraph", cache_dir=None):
+def load_documents(
+    files: list[str], text_key: str = "text", text_sample_by: str = "paragraph", cache_dir: str | None = None
+):
     """A `datasets.Dataset` with one column `text_key`, one row per document, read from local `files`."""
     import datasets
 
@@ -42,11 +44,15 @@ def load_documents(files: list[str], text_key: str = "text", text_sample_by: str
     if kind == "text" and text_key != "text":
         ds = ds.rename_column("text", text_key)
     if text_key not in ds.column_names:
-        raise DataError(f"--text-key {text_key!r} is not a field of the input (fields: {ds.column_names}): set --text-key")
+        raise DataError(
+            f"--text-key {text_key!r} is not a field of the input (fields: {ds.column_names}): set --text-key"
+        )
     return ds.select_columns([text_key])
 
 
-def iter_texts(files: list[str], text_key: str = "text", text_sample_by: str = "paragraph", cache_dir=None) -> Iterator[str]:
+def iter_texts(
+    files: list[str], text_key: str = "text", text_sample_by: str = "paragraph", cache_dir: str | None = None
+) -> Iterator[str]:
     ds = load_documents(files, text_key, text_sample_by, cache_dir)
     for batch in ds.iter(batch_size=1000):
         yield from (t for t in batch[text_key] if t)
@@ -106,7 +112,9 @@ def preprocess(
     return preprocess_dataset(docs, tokenizer_model, output_prefix, workers, text_key)
 
 
-def preprocess_dataset(docs, tokenizer_model: str, output_prefix: str, workers: int = 1, text_key: str = "text") -> dict:
+def preprocess_dataset(
+    docs, tokenizer_model: str, output_prefix: str, workers: int = 1, text_key: str = "text"
+) -> dict:
     """`preprocess` for an already loaded `datasets.Dataset` with a `text_key` column."""
     from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
     from tqdm.auto import tqdm
