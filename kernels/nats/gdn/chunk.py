@@ -449,6 +449,11 @@ def _bv(n_programs: int, V: int, device: torch.device) -> int:
     return 16 if n_programs * triton.cdiv(V, 32) < 2 * sms else min(32, _pow2(V))
 
 
+def _loop_bv(V: int, dtype: torch.dtype) -> int:
+    """V tile of the chunk-parallel kernels: 64 for 16-bit inputs, 32 for fp32 (bounds the pipelined tiles)."""
+    return min(64 if dtype.itemsize == 2 else 32, _pow2(V))
+
+
 def _wy_fwd(k, v, g, beta):
     """G (chunk-local cumsum of g, fp32) and Ai = (I + A)^{-1} per chunk, `[B, T, H]` and `[B, T, H, 64]`."""
     B, T, H, K = k.shape
@@ -464,7 +469,7 @@ def _recompute_wu(k, v, beta, G, Ai):
     V = v.shape[-1]
     w, u = torch.empty_like(k), torch.empty_like(v)
     _wu_kernel[(triton.cdiv(T, BT), B * H)](k, v, beta, G, Ai, w, u, T, H=H, K=K, V=V, BK=min(64, _pow2(K)),
-                                            BV=min(64, _pow2(V)))
+                                            BV=_loop_bv(V, k.dtype), num_stages=2)
     return w, u
 
 
@@ -490,9 +495,9 @@ def chunk_selected_gdn_fwd(q, k, v, g, beta, keep, scale, initial_state, output_
     w, u = _recompute_wu(k, v, beta, G, Ai)
     h, v_new, ht = _fwd_h(k, w, u, G, keep, initial_state, output_final_state, decay_dropped)
     o = torch.empty_like(v)
-    BV = min(64, _pow2(V))
+    BV = _loop_bv(V, q.dtype)
     _fwd_o_kernel[(triton.cdiv(V, BV), NT, B * H)](q, k, v_new, h, G, o, scale, T, NT, H=H, K=K, V=V,
-                                                    BK=min(64, _pow2(K)), BV=BV)
+                                                    BK=min(64, _pow2(K)), BV=BV, num_stages=2)
     return o, ht, G, Ai
 
 
@@ -501,12 +506,12 @@ def chunk_selected_gdn_bwd(q, k, v, beta, keep, G, Ai, scale, initial_state, do,
     """Backward host function: recomputes w, u, h, v' and returns dq, dk, dv, dg, dbeta, dkeep, dh0."""
     B, T, H, K = q.shape
     V, NT = v.shape[-1], triton.cdiv(T, BT)
-    BK, BV = min(64, _pow2(K)), min(64, _pow2(V))
+    BK, BV = min(64, _pow2(K)), _loop_bv(V, q.dtype)
     w, u = _recompute_wu(k, v, beta, G, Ai)
     h, v_new, _ = _fwd_h(k, w, u, G, keep, initial_state, False, decay_dropped)
     do = do.contiguous()
     dv_local = torch.empty(B, T, H, V, device=q.device, dtype=torch.float32)
-    _bwd_dv_local_kernel[(NT, B * H)](q, k, G, do, dv_local, scale, T, H=H, K=K, V=V, BK=BK, BV=BV)
+    _bwd_dv_local_kernel[(NT, B * H)](q, k, G, do, dv_local, scale, T, H=H, K=K, V=V, BK=BK, BV=BV, num_stages=2)
 
     dh = q.new_empty(B, NT, H, K, V)
     dv2 = torch.empty_like(dv_local)
@@ -522,7 +527,8 @@ def chunk_selected_gdn_bwd(q, k, v, beta, keep, G, Ai, scale, initial_state, do,
     dG = torch.empty(NK, B, T, H, device=q.device, dtype=torch.float32)
     dkeep = torch.empty(NK, B, H, NT, device=q.device, dtype=torch.float32)
     _bwd_dqkwg_kernel[(NK, NT, B * H)](q, k, v_new, h, dh, do, dv2, G, keep, dq, dk1, dw, dG, dkeep, scale, T,
-                                       NT, B, H=H, K=K, V=V, BK=BK, BV=BV, DECAY_DROPPED=decay_dropped)
+                                       NT, B, H=H, K=K, V=V, BK=BK, BV=BV, DECAY_DROPPED=decay_dropped,
+                                       num_warps=8, num_stages=2)
     dG, dkeep = dG.sum(0), dkeep.sum(0)
     if not dkeep_dropped:
         dkeep = dkeep * (keep != 0)
@@ -531,5 +537,5 @@ def chunk_selected_gdn_bwd(q, k, v, beta, keep, G, Ai, scale, initial_state, do,
     dbeta = torch.empty(B, T, H, device=q.device, dtype=beta.dtype)
     dg = torch.empty(B, T, H, device=q.device, dtype=torch.float32)
     _bwd_wy_kernel[(NT, B * H)](k, v, beta, G, Ai, dw, dv2, dk1, dG, dk, dv, dbeta, dg, T, H=H, K=K, V=V, BK=BK,
-                                BV=BV)
+                                BV=BV, num_warps=8, num_stages=2)
     return dq, dk, dv, dg, dbeta, dkeep.to(keep.dtype), dh0
