@@ -1,0 +1,86 @@
+"""Interdomain Attention token-mixing op: chunked Triton kernels (forward + backward), decode step, reference."""
+import torch
+
+from .chunk import InterdomainFunction
+from .naive import EPS, interdomain_attention_naive, sign_nonzero
+from .recurrent import interdomain_recurrent, interdomain_step
+
+__all__ = ["interdomain_attention", "interdomain_attention_naive", "interdomain_step", "interdomain_recurrent",
+           "EPS"]
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def interdomain_attention(q, k, v, decay, b, initial_state=None, output_final_state=False, normalize=False,
+                          chunk_size=64):
+    """Interdomain Attention (see kernels/interdomain/README.md for the definition).
+
+    Args:
+        q, k: [B, T, H, K] query / key features; v: [B, T, H, V]; one dtype among fp32, bf16, fp16.
+        decay: [H, M, 2] fp32 = (log|lambda| <= 0, arg lambda); b: [H, M, 2] fp32 = (Re b, Im b).
+        initial_state: (U [B, H, M, 2, K], G [B, H, M, 2, V]) fp32, plus eta [B, H, M, 2] with `normalize`.
+        normalize: divide by sum_m Re(a conj eta) + EPS * sign (sign(0) = +1).
+        chunk_size: tokens per chunk (16, 32, 64 or 128); chunk-boundary states are the only states kept.
+    Returns:
+        o [B, T, H, V] in v's dtype and the final state (same layout as initial_state) or None.
+    """
+    check_inputs(q, k, v, decay, b, initial_state, normalize, chunk_size)
+    B, T, H, _ = q.shape
+    V = v.shape[-1]
+    if normalize:
+        v = torch.cat((v, v.new_ones(B, T, H, 1)), -1)
+        if initial_state is not None:
+            g, eta = initial_state[1], initial_state[2]
+            initial_state = (initial_state[0], torch.cat((g, eta[..., None]), -1))
+    u0 = g0 = None
+    if initial_state is not None:
+        u0 = initial_state[0].transpose(2, 3).contiguous()
+        g0 = initial_state[1].transpose(2, 3).contiguous()
+    o, uf, gf = InterdomainFunction.apply(q.contiguous(), k.contiguous(), v.contiguous(), decay.contiguous(),
+                                          b.contiguous(), u0, g0, chunk_size)
+    state = (uf.transpose(2, 3).contiguous(), gf.transpose(2, 3).contiguous()) if output_final_state else None
+    if normalize:
+        den = o[..., V:].float()
+        o = (o[..., :V].float() / (den + EPS * sign_nonzero(den))).to(o.dtype)
+        if state is not None:
+            state = (state[0], state[1][..., :V].contiguous(), state[1][..., V].contiguous())
+    return o, state
+
+
+def check_inputs(q, k, v, decay, b, initial_state, normalize, chunk_size):
+    """One-line ValueErrors naming the fix for every malformed input."""
+    if q.dim() != 4 or k.shape != q.shape:
+        raise ValueError(f"q and k must both be [B, T, H, K]; got {tuple(q.shape)} and {tuple(k.shape)}")
+    B, T, H, K = q.shape
+    if v.dim() != 4 or v.shape[:3] != q.shape[:3]:
+        raise ValueError(f"v must be [B, T, H, V] with q's B, T, H = {B, T, H}; got {tuple(v.shape)}")
+    if T == 0 or B == 0:
+        raise ValueError("q must have at least one batch row and one token (B, T > 0)")
+    if q.dtype not in _DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(f"q, k, v must share one dtype among fp32/bf16/fp16; got {q.dtype}, {k.dtype}, {v.dtype}")
+    if K > 256 or v.shape[-1] > 256:
+        raise ValueError(f"head dims K, V must be <= 256; got K={K}, V={v.shape[-1]}")
+    for name, p in (("decay", decay), ("b", b)):
+        if p.dim() != 3 or p.shape[0] != H or p.shape[2] != 2 or p.dtype != torch.float32:
+            raise ValueError(f"{name} must be fp32 [H={H}, M, 2]; got {p.dtype} {tuple(p.shape)}")
+    M = decay.shape[1]
+    if b.shape[1] != M or not 1 <= M <= 64:
+        raise ValueError(f"decay and b must share M with 1 <= M <= 64; got {decay.shape[1]} and {b.shape[1]}")
+    tensors = [q, k, v, decay, b] + list(initial_state or ())
+    if any(t.device != q.device for t in tensors):
+        raise ValueError("all inputs (q, k, v, decay, b, initial_state) must be on one device; move them with .to()")
+    if chunk_size not in (16, 32, 64, 128):
+        raise ValueError(f"chunk_size must be 16, 32, 64 or 128; got {chunk_size}")
+    if bool((decay[..., 0] > 0).any()):
+        raise ValueError("decay[..., 0] = log|lambda| must be <= 0 (a growing mode); clamp it in the layer")
+    if initial_state is not None:
+        _check_state(initial_state, B, H, M, K, v.shape[-1], normalize)
+
+
+def _check_state(state, B, H, M, K, V, normalize):
+    want = [(B, H, M, 2, K), (B, H, M, 2, V)] + ([(B, H, M, 2)] if normalize else [])
+    if len(state) != len(want):
+        raise ValueError(f"initial_state must be a tuple of {len(want)} tensors (U, G{', eta' if normalize else ''})")
+    for t, shape in zip(state, want):
+        if tuple(t.shape) != shape or t.dtype != torch.float32:
+            raise ValueError(f"initial_state tensors must be fp32 {want}; got {t.dtype} {tuple(t.shape)}")
