@@ -1,0 +1,1 @@
+"""Training: run configs, the DeepSpeed engine, the loop, checkpoints, monitoring. Entry: `megahybrid train`."""

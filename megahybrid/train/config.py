@@ -1,0 +1,400 @@
+"""Run configuration: typed sections, YAML loading with `key=value` overrides, and validation that runs before
+any process group starts. Every failure raises `ConfigError` (or the data pipeline's `DataError`) with one line
+that names the field and the fix.
+"""
+import dataclasses
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from megahybrid.errors import ConfigError
+
+PACKAGE_CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+REPO_DS_CONFIGS = Path(__file__).resolve().parent.parent.parent / "ds_configs"
+# DeepSpeed keys our config owns; a DeepSpeed JSON that sets them is rejected so nothing is set twice.
+OWNED_DS_KEYS = (
+    "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "gradient_clipping",
+    "bf16", "fp16", "optimizer", "scheduler", "steps_per_print", "wall_clock_breakdown",
+)
+DATA_PLACEHOLDER = "SET_ME"
+
+
+@dataclass
+class ModelSection:
+    """A preset from megahybrid.model.config.PRESETS plus any ModelConfig field as an override."""
+
+    preset: str = "tiny"
+    overrides: dict = field(default_factory=dict)
+
+
+@dataclass
+class ParallelSection:
+    tp: int = 1
+    cp: int = 1
+    sequence_parallel: bool = False
+
+
+@dataclass
+class DataSection:
+    """Either the built-in corpus (prepared under `builtin_dir` on first use) or preprocessed .bin/.idx prefixes.
+    All other keys are megahybrid.data.config.DataConfig fields (prefixes, weights, split, tokenizer_model, ...)."""
+
+    builtin: bool = False
+    builtin_dir: str = "data/builtin"
+    builtin_vocab_size: int = 2048
+    builtin_num_docs: int = 12000
+    fields: dict = field(default_factory=dict)
+
+
+@dataclass
+class BatchSection:
+    global_batch_size: int = 8
+    micro_batch_size: int = 4
+
+
+@dataclass
+class OptimizerSection:
+    lr: float = 3e-4
+    min_lr: float = 3e-5
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    warmup_steps: int = 100
+    schedule: str = "cosine"
+    grad_clip: float = 1.0
+
+
+@dataclass
+class TrainSection:
+    steps: int = 1000
+    seed: int = 1234
+    precision: str = "auto"
+    deepspeed_config: str = "zero1"
+    deterministic: bool = False
+    max_consecutive_nonfinite: int = 5
+
+
+@dataclass
+class CheckpointSection:
+    dir: str | None = None
+    interval: int = 500
+    keep: int = 3
+    resume: bool = True
+
+
+@dataclass
+class LoggingSection:
+    interval: int = 10
+    tensorboard: bool = True
+    tensorboard_dir: str | None = None
+    peak_tflops: float = 786.0
+
+
+@dataclass
+class EvalSection:
+    interval: int = 500
+    iters: int = 10
+
+
+@dataclass
+class DebugSection:
+    """Test hooks: poison the loss of the listed steps (1-based) with NaN; SIGKILL this process after a step, or in
+    the middle of the checkpoint save of a step; sleep after each step (to deliver signals mid-run)."""
+
+    nan_loss_steps: list = field(default_factory=list)
+    sigkill_after_step: int | None = None
+    sigkill_in_save_at_step: int | None = None
+    sleep_per_step: float = 0.0
+
+
+SECTIONS = {
+    "model": ModelSection, "parallel": ParallelSection, "data": DataSection, "batch": BatchSection,
+    "optimizer": OptimizerSection, "train": TrainSection, "checkpoint": CheckpointSection,
+    "logging": LoggingSection, "eval": EvalSection, "debug": DebugSection,
+}
+
+
+@dataclass
+class RunConfig:
+    run_dir: str = "runs/default"
+    model: ModelSection = field(default_factory=ModelSection)
+    parallel: ParallelSection = field(default_factory=ParallelSection)
+    data: DataSection = field(default_factory=DataSection)
+    batch: BatchSection = field(default_factory=BatchSection)
+    optimizer: OptimizerSection = field(default_factory=OptimizerSection)
+    train: TrainSection = field(default_factory=TrainSection)
+    checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
+    logging: LoggingSection = field(default_factory=LoggingSection)
+    eval: EvalSection = field(default_factory=EvalSection)
+    debug: DebugSection = field(default_factory=DebugSection)
+
+    @property
+    def checkpoint_dir(self) -> str:
+        return self.checkpoint.dir or os.path.join(self.run_dir, "checkpoints")
+
+    @property
+    def tensorboard_dir(self) -> str:
+        return self.logging.tensorboard_dir or os.path.join(self.run_dir, "tensorboard")
+
+    def to_dict(self) -> dict:
+        """The nested plain-dict form, as written in YAML (model overrides and data fields flattened back)."""
+        out = {"run_dir": self.run_dir}
+        for name in SECTIONS:
+            section = dataclasses.asdict(getattr(self, name))
+            flat = {**section.pop("overrides", {}), **section.pop("fields", {})}
+            out[name] = {**section, **flat}
+        return out
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False, default_flow_style=None)
+
+
+def resolve_config_path(name_or_path: str) -> Path:
+    """A YAML path, or the name of a config shipped in megahybrid/configs (`demo`, `125m`, ...)."""
+    path = Path(name_or_path)
+    if path.is_file():
+        return path
+    shipped = PACKAGE_CONFIGS / f"{name_or_path.removesuffix('.yaml')}.yaml"
+    if shipped.is_file():
+        return shipped
+    names = sorted(p.stem for p in PACKAGE_CONFIGS.glob("*.yaml"))
+    raise ConfigError(f"--config {name_or_path}: no such file and no shipped config of that name; use a path or one of {names}")
+
+
+def load_config(name_or_path: str, overrides: list[str] = ()) -> RunConfig:
+    """Read a YAML run config, apply `section.key=value` overrides (values parsed as YAML) and build RunConfig."""
+    path = resolve_config_path(name_or_path)
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark else ""
+        raise ConfigError(f"{path}{where}: not valid YAML ({getattr(err, 'problem', err)}); fix the syntax") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of sections (model:, train:, ...)")
+    for item in overrides:
+        apply_override(raw, item)
+    return from_dict(raw)
+
+
+def apply_override(raw: dict, item: str) -> None:
+    key, sep, text = item.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"override {item!r} is not key=value; write e.g. train.steps=100")
+    try:
+        value = yaml.safe_load(text) if text.strip() else None
+    except yaml.YAMLError:
+        value = text
+    node = raw
+    parts = key.strip().split(".")
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"override {item!r}: {part} is not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def from_dict(raw: dict) -> RunConfig:
+    unknown = sorted(set(raw) - set(SECTIONS) - {"run_dir"})
+    if unknown:
+        raise ConfigError(f"unknown config section(s) {unknown}; known: run_dir, {', '.join(SECTIONS)}")
+    cfg = RunConfig()
+    if "run_dir" in raw:
+        cfg.run_dir = _typed("run_dir", raw["run_dir"], str)
+    for name, cls in SECTIONS.items():
+        values = raw.get(name) or {}
+        if not isinstance(values, dict):
+            raise ConfigError(f"{name}: must be a mapping of fields, got {values!r}")
+        setattr(cfg, name, _build_section(name, cls, values))
+    return cfg
+
+
+def _build_section(name: str, cls, values: dict):
+    known = {f.name: f for f in dataclasses.fields(cls)}
+    catch_all = "overrides" if "overrides" in known else "fields" if "fields" in known else None
+    kwargs, extra = {}, {}
+    for key, value in values.items():
+        if key in known and key != catch_all:
+            kwargs[key] = _typed(f"{name}.{key}", value, known[key].type)
+        elif catch_all:
+            extra[key] = value
+        else:
+            raise ConfigError(f"{name}.{key} is not a known field; known: {sorted(known)}")
+    if catch_all:
+        kwargs[catch_all] = extra
+    return cls(**kwargs)
+
+
+def _typed(path: str, value, annotation):
+    """Check a YAML value against the field's annotation (ints accepted for floats, None for optional)."""
+    text = annotation if isinstance(annotation, str) else getattr(annotation, "__name__", str(annotation))
+    optional = "None" in text
+    if value is None:
+        if optional:
+            return None
+        raise ConfigError(f"{path} must not be empty; give a value")
+    base = text.replace("| None", "").strip()
+    checks = {
+        "int": lambda v: isinstance(v, int) and not isinstance(v, bool),
+        "float": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+        "bool": lambda v: isinstance(v, bool),
+        "str": lambda v: isinstance(v, str),
+        "list": lambda v: isinstance(v, list),
+        "dict": lambda v: isinstance(v, dict),
+    }
+    check = checks.get(base)
+    if check and not check(value):
+        raise ConfigError(f"{path}={value!r} must be of type {base}")
+    return float(value) if base == "float" else value
+
+
+def validate(cfg: RunConfig, world_size: int, has_gpu: bool, check_data: bool = True):
+    """Check the whole config for `world_size` ranks; returns (ModelConfig, ParallelLayout, DeepSpeed dict).
+
+    Nothing here starts a process group; data files are checked when `check_data` (after built-in preparation).
+    """
+    from megahybrid.model.config import preset
+    from megahybrid.parallel import ParallelLayout
+
+    model = preset(cfg.model.preset, **cfg.model.overrides)
+    p = cfg.parallel
+    layout = ParallelLayout.for_world(world_size, tp=p.tp, cp=p.cp, sequence_parallel=p.sequence_parallel)
+    from megahybrid.model.specs import max_chunk_size
+
+    layout.check_model(model.num_heads, model.kv_heads, model.seq_length, max_chunk_size(model.pattern))
+    if layout.cp > 1 and "S" in model.pattern:
+        raise ConfigError("parallel.cp > 1: context parallelism for softmax layers is not available yet; set parallel.cp=1")
+    _check_numbers(cfg)
+    _check_batch(cfg, layout)
+    precision = resolved_precision(cfg, has_gpu)
+    ds = load_deepspeed_config(cfg.train.deepspeed_config)
+    _check_zero(cfg, ds, layout, has_gpu)
+    if check_data and not cfg.data.builtin:
+        data_config(cfg).validate(model.seq_length, model.vocab_size)
+    return model, layout, ds, precision
+
+
+def _check_numbers(cfg: RunConfig) -> None:
+    positive = {
+        "train.steps": cfg.train.steps, "checkpoint.interval": cfg.checkpoint.interval,
+        "checkpoint.keep": cfg.checkpoint.keep, "logging.interval": cfg.logging.interval,
+        "eval.interval": cfg.eval.interval, "train.max_consecutive_nonfinite": cfg.train.max_consecutive_nonfinite,
+        "batch.global_batch_size": cfg.batch.global_batch_size, "batch.micro_batch_size": cfg.batch.micro_batch_size,
+        "logging.peak_tflops": cfg.logging.peak_tflops,
+    }
+    for name, value in positive.items():
+        if not value > 0:
+            raise ConfigError(f"{name}={value} must be > 0")
+    o = cfg.optimizer
+    if not (o.lr > 0 and math.isfinite(o.lr)):
+        raise ConfigError(f"optimizer.lr={o.lr} must be a positive finite number, e.g. 3e-4")
+    if not 0 <= o.min_lr <= o.lr:
+        raise ConfigError(f"optimizer.min_lr={o.min_lr} must lie in [0, optimizer.lr={o.lr}]")
+    for name in ("beta1", "beta2"):
+        if not 0 <= getattr(o, name) < 1:
+            raise ConfigError(f"optimizer.{name}={getattr(o, name)} must lie in [0, 1)")
+    if o.eps <= 0 or o.weight_decay < 0 or o.grad_clip < 0:
+        raise ConfigError("optimizer.eps must be > 0, optimizer.weight_decay and optimizer.grad_clip >= 0 (0 = off)")
+    if not 0 <= o.warmup_steps <= cfg.train.steps:
+        raise ConfigError(f"optimizer.warmup_steps={o.warmup_steps} must lie in [0, train.steps={cfg.train.steps}]")
+    if o.schedule not in ("cosine", "linear", "constant"):
+        raise ConfigError(f"optimizer.schedule={o.schedule!r}: choose cosine, linear or constant")
+    if cfg.eval.iters < 0:
+        raise ConfigError(f"eval.iters={cfg.eval.iters} must be >= 0 (0 = no validation)")
+    if cfg.data.builtin and cfg.data.fields.get("prefixes"):
+        raise ConfigError("data.builtin=true and data.prefixes are both set: use the built-in corpus or your prefixes")
+
+
+def _check_batch(cfg: RunConfig, layout) -> None:
+    b = cfg.batch
+    per_step = b.micro_batch_size * layout.dp
+    if b.global_batch_size % per_step:
+        raise ConfigError(
+            f"batch.global_batch_size={b.global_batch_size} is not a multiple of batch.micro_batch_size x dp = "
+            f"{b.micro_batch_size} x {layout.dp}; change one of them or the number of ranks"
+        )
+
+
+def resolved_precision(cfg: RunConfig, has_gpu: bool) -> str:
+    value = cfg.train.precision
+    if value not in ("auto", "bf16", "fp32"):
+        raise ConfigError(f"train.precision={value!r}: choose auto (bf16 on GPU, fp32 on CPU), bf16 or fp32")
+    if value == "auto":
+        return "bf16" if has_gpu else "fp32"
+    if value == "bf16" and not has_gpu:
+        raise ConfigError("train.precision=bf16 needs a GPU; use auto or fp32 on CPU")
+    return value
+
+
+def resolve_deepspeed_path(name_or_path: str) -> Path:
+    path = Path(name_or_path)
+    if path.is_file():
+        return path
+    for root in (Path.cwd() / "ds_configs", REPO_DS_CONFIGS):
+        candidate = root / f"{name_or_path.removesuffix('.json')}.json"
+        if candidate.is_file():
+            return candidate
+    raise ConfigError(
+        f"train.deepspeed_config={name_or_path!r}: no such file; use a path or one of zero1, zero2, zero3, "
+        "zero2_offload, zero3_offload (ds_configs/)"
+    )
+
+
+def load_deepspeed_config(name_or_path: str) -> dict:
+    path = resolve_deepspeed_path(name_or_path)
+    try:
+        ds = json.loads(path.read_text())
+    except ValueError as err:
+        raise ConfigError(f"train.deepspeed_config: {path} is not valid JSON ({err}); fix it") from None
+    owned = [key for key in OWNED_DS_KEYS if key in ds]
+    if owned:
+        raise ConfigError(
+            f"train.deepspeed_config: {path} sets {owned}, which our config owns (batch.*, optimizer.*, "
+            "train.precision); remove them from the JSON"
+        )
+    return ds
+
+
+def zero_stage(ds: dict) -> int:
+    return int(ds.get("zero_optimization", {}).get("stage", 0))
+
+
+def _check_zero(cfg: RunConfig, ds: dict, layout, has_gpu: bool) -> None:
+    stage = zero_stage(ds)
+    zero = ds.get("zero_optimization", {})
+    if stage not in (1, 2, 3):
+        raise ConfigError(f"train.deepspeed_config: zero_optimization.stage={stage}; use 1, 2 or 3")
+    if stage == 3 and layout.tp > 1:
+        raise ConfigError(
+            "train.deepspeed_config: ZeRO-3 with parallel.tp > 1 is not supported; use zero1/zero2 with TP or tp=1"
+        )
+    offload = any(zero.get(key, {}).get("device", "none") != "none" for key in ("offload_optimizer", "offload_param"))
+    if offload and not has_gpu:
+        raise ConfigError("train.deepspeed_config: CPU offload needs a GPU (on CPU everything is already in host memory); use zero1/2/3")
+
+
+def data_config(cfg: RunConfig, builtin=None):
+    """The data pipeline's DataConfig from our data section (built-in paths filled in when given)."""
+    from megahybrid.data.config import DataConfig
+
+    fields = dict(cfg.data.fields)
+    fields.setdefault("seed", cfg.train.seed)
+    known = {f.name for f in dataclasses.fields(DataConfig)}
+    unknown = sorted(set(fields) - known)
+    if unknown:
+        raise ConfigError(f"data.{unknown[0]} is not a known field; known: {sorted(known | {'builtin', 'builtin_dir'})}")
+    if builtin is not None:
+        return builtin.data_config(**fields)
+    for name in ("prefixes", "tokenizer_model"):
+        if DATA_PLACEHOLDER in str(fields.get(name, "")):
+            raise ConfigError(f"data.{name} still holds the placeholder {DATA_PLACEHOLDER}: override it, e.g. data.{name}=...")
+    try:
+        return DataConfig(**fields)
+    except TypeError as err:
+        raise ConfigError(f"data: {err}") from None

@@ -1,0 +1,139 @@
+"""DeepSpeed engine setup: the `mpu` adapter over our process groups, the DeepSpeed config filled from our run
+config, AdamW with a skippable step, and the warmup + decay learning-rate schedule.
+"""
+import copy
+import math
+
+import torch
+import torch.distributed as dist
+
+from megahybrid.distributed import Groups
+
+
+class MegatronMPU:
+    """The `mpu` interface DeepSpeed queries, answered from a `Groups` (megatron's tp/cp/dp groups).
+
+    DeepSpeed's "data parallel" group is our dp x cp group: gradients are averaged over both, as in megatron.
+    Its "sequence parallel" means Ulysses, which we do not use, so it reports size 1.
+    """
+
+    def __init__(self, groups: Groups):
+        self.groups = groups
+
+    def get_model_parallel_group(self):
+        return self.groups.tp_group
+
+    def get_model_parallel_rank(self):
+        return self.groups.tp_rank
+
+    def get_model_parallel_world_size(self):
+        return self.groups.layout.tp
+
+    get_tensor_model_parallel_group = get_model_parallel_group
+    get_tensor_model_parallel_rank = get_model_parallel_rank
+    get_tensor_model_parallel_world_size = get_model_parallel_world_size
+
+    def get_tensor_model_parallel_src_rank(self):
+        return dist.get_global_rank(self.groups.tp_group, 0)
+
+    def get_data_parallel_group(self):
+        return self.groups.dp_cp_group
+
+    def get_data_parallel_rank(self):
+        return dist.get_rank(self.groups.dp_cp_group)
+
+    def get_data_parallel_world_size(self):
+        return self.groups.layout.dp * self.groups.layout.cp
+
+    def get_pipeline_model_parallel_world_size(self):
+        return 1
+
+    def get_pipeline_model_parallel_rank(self):
+        return 0
+
+    def get_sequence_parallel_world_size(self):
+        return 1
+
+    def get_sequence_parallel_rank(self):
+        return 0
+
+
+def deepspeed_config(base: dict, cfg, layout, precision: str) -> dict:
+    """Our batch sizes, accumulation, clipping and precision filled into the DeepSpeed JSON (which may not set them)."""
+    ds = copy.deepcopy(base)
+    micro = cfg.batch.micro_batch_size
+    ds["train_micro_batch_size_per_gpu"] = micro
+    ds["gradient_accumulation_steps"] = cfg.batch.global_batch_size // (micro * layout.dp)
+    ds["gradient_clipping"] = float(cfg.optimizer.grad_clip)
+    ds["bf16"] = {"enabled": precision == "bf16"}
+    ds["steps_per_print"] = 2**31 - 1
+    ds["wall_clock_breakdown"] = False
+    # Our AdamW subclass (for the skippable step) is torch's AdamW, which DeepSpeed only knows by class name.
+    ds["zero_allow_untested_optimizer"] = True
+    zero = ds.setdefault("zero_optimization", {})
+    if zero.get("offload_optimizer", {}).get("device", "none") != "none":
+        # The client AdamW below runs on the offloaded fp32 partitions; DeepSpeed asks for its CPU Adam otherwise.
+        ds["zero_force_ds_cpu_optimizer"] = False
+    return ds
+
+
+class SkippableAdamW(torch.optim.AdamW):
+    """torch AdamW whose steps can be cancelled. ZeRO reduces, clips and then calls this step on its fp32
+    partitions (once per param group); while `skipping` is set, weights and moments stay untouched and ZeRO
+    clears the gradients as usual. The trainer sets and clears the flag around one optimizer step."""
+
+    skipping = False
+
+    def step(self, closure=None):
+        if self.skipping:
+            return None
+        return super().step(closure)
+
+
+def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """Decay matrices only; norms (1-D) get none."""
+    decay, no_decay = [], []
+    for param in model.parameters():
+        if param.requires_grad:
+            (decay if param.dim() >= 2 else no_decay).append(param)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+class LRSchedule:
+    """Linear warmup to `lr`, then cosine / linear decay to `min_lr` at `total_steps` (or constant).
+    Stateless in the step, so resuming needs only the step counter."""
+
+    def __init__(self, lr: float, min_lr: float, warmup_steps: int, total_steps: int, kind: str = "cosine"):
+        self.lr, self.min_lr, self.warmup, self.total, self.kind = lr, min_lr, warmup_steps, total_steps, kind
+
+    def __call__(self, step: int) -> float:
+        """Learning rate for optimizer step `step` (0-based)."""
+        if step < self.warmup:
+            return self.lr * (step + 1) / self.warmup
+        if self.kind == "constant":
+            return self.lr
+        progress = min(1.0, (step - self.warmup) / max(1, self.total - self.warmup))
+        shape = 0.5 * (1 + math.cos(math.pi * progress)) if self.kind == "cosine" else 1 - progress
+        return self.min_lr + (self.lr - self.min_lr) * shape
+
+    def state_dict(self) -> dict:
+        return dict(lr=self.lr, min_lr=self.min_lr, warmup_steps=self.warmup, total_steps=self.total, kind=self.kind)
+
+
+def set_lr(optimizer, lr: float) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+
+
+def build_engine(model, cfg, groups: Groups, ds_base: dict, precision: str):
+    """(engine, client optimizer) from DeepSpeed with our optimizer and mpu."""
+    import deepspeed
+
+    o = cfg.optimizer
+    optimizer = SkippableAdamW(
+        param_groups(model, o.weight_decay), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
+        foreach=not torch.cuda.is_available(), fused=torch.cuda.is_available() or None,
+    )
+    ds = deepspeed_config(ds_base, cfg, groups.layout, precision)
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds, mpu=MegatronMPU(groups))
+    return engine, optimizer, ds

@@ -1,0 +1,307 @@
+"""The training loop: validated plan -> process groups -> model + DeepSpeed engine -> data -> steps with
+logging, evaluation, checkpoints, signal handling and non-finite-loss skipping.
+
+Exit codes (also in megahybrid/train/README.md): 0 finished; 1 crashed; 2 user error (config, data, launch,
+checkpoint); 3 stopped by SIGTERM/SIGUSR1 after saving a checkpoint (requeue and it resumes); 4 stopped after
+`train.max_consecutive_nonfinite` non-finite losses in a row (checkpoint saved).
+"""
+import logging
+import math
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from megahybrid.errors import UserError
+from megahybrid.train.checkpoint import CheckpointManager
+from megahybrid.train.config import RunConfig, validate, zero_stage
+from megahybrid.train.data import build_splits, prepare_data, train_loader, valid_loader
+from megahybrid.train.engine import LRSchedule, build_engine, set_lr
+from megahybrid.train.metrics import TrainLogger, flops_per_token, memory_mib, model_metrics, say
+
+EXIT_OK, EXIT_CRASH, EXIT_USER_ERROR, EXIT_REQUEUE, EXIT_NONFINITE = 0, 1, 2, 3, 4
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+@dataclass
+class Plan:
+    """Everything decided before a process group exists."""
+
+    cfg: RunConfig
+    model: object
+    layout: object
+    ds_base: dict
+    precision: str
+    data: object
+    world_size: int
+
+
+def make_plan(cfg: RunConfig, world_size: int) -> Plan:
+    """Validate the whole config and prepare data; raises UserError with one line on the first problem."""
+    model, layout, ds_base, precision = validate(cfg, world_size, torch.cuda.is_available(), check_data=False)
+    data = prepare_data(cfg, model.seq_length, model.vocab_size)
+    return Plan(cfg, model, layout, ds_base, precision, data, world_size)
+
+
+class StopRequest:
+    """Records SIGTERM / SIGUSR1; the loop finishes its step, saves and exits with EXIT_REQUEUE."""
+
+    def __init__(self):
+        self.signal_name = None
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame):
+        self.signal_name = signal.Signals(signum).name
+
+    @property
+    def requested(self) -> bool:
+        return self.signal_name is not None
+
+
+def set_deterministic(enabled: bool) -> None:
+    """Bitwise-reproducible kernels. CUBLAS_WORKSPACE_CONFIG must be set before CUDA starts (the CLI does it)."""
+    if not enabled:
+        return
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.backends.cudnn.deterministic = True
+    torch.backends.cudnn.benchmark = False
+
+
+class Trainer:
+    def __init__(self, plan: Plan, resume: bool = True):
+        from megahybrid.distributed import init_distributed
+        from megahybrid.model.config import count_parameters
+        from megahybrid.model.gpt import build_model
+
+        self.plan, self.cfg = plan, plan.cfg
+        set_deterministic(self.cfg.train.deterministic)
+        self.groups = init_distributed(plan.layout, seed=self.cfg.train.seed)
+        self.is_logger = self.groups.is_loss_rank
+        _quiet_deepspeed()
+        self.model = build_model(plan.model, plan.layout, plan.precision)
+        self.engine, self.optimizer, self.ds_config = build_engine(
+            self.model, self.cfg, self.groups, plan.ds_base, plan.precision)
+        o = self.cfg.optimizer
+        self.schedule = LRSchedule(o.lr, o.min_lr, o.warmup_steps, self.cfg.train.steps, o.schedule)
+        self.gas = self.engine.gradient_accumulation_steps()
+        self.flops_per_token = flops_per_token(plan.model)
+        self.num_params = count_parameters(plan.model)
+        self.step, self.skipped, self.consecutive_nonfinite, self.consumed_samples = 0, 0, 0, 0
+        self.ckpt = CheckpointManager(self.cfg.checkpoint_dir, self.cfg.checkpoint.keep, warn=self._warn,
+                                      hooks=self._checkpoint_hook)
+        self.resume_tag = self._resume() if resume else self._refuse_existing()
+        train_ds, self.valid_ds = build_splits(self.cfg, plan.data, plan.model.seq_length, self.groups)
+        self.loader = train_loader(self.cfg, train_ds, self.groups, self.consumed_samples, plan.data.num_workers)
+        self.logger = TrainLogger(self.is_logger, self.cfg.run_dir,
+                                  self.cfg.tensorboard_dir if self.cfg.logging.tensorboard else None,
+                                  self.cfg.train.steps)
+        self.stop = StopRequest()
+
+    def _warn(self, message: str) -> None:
+        if self.is_logger:
+            print(message, file=sys.stderr, flush=True)
+
+    def _checkpoint_hook(self, stage: str, step: int) -> None:
+        if stage == "written" and step == self.cfg.debug.sigkill_in_save_at_step:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def _resume(self) -> str | None:
+        self.ckpt.clean_stale()
+        tag = self.ckpt.find_loadable()
+        if tag is None:
+            return None
+        state = self.ckpt.load(self.engine, tag, self.layout_dict())
+        self.step = state["step"]
+        self.consumed_samples = state["consumed_samples"]
+        self.skipped = state["skipped_steps"]
+        self.consecutive_nonfinite = state["consecutive_nonfinite"]
+        return tag
+
+    def _refuse_existing(self) -> None:
+        if self.ckpt.tags():
+            raise UserError(
+                f"--no-resume but checkpoint.dir {self.cfg.checkpoint_dir} already holds checkpoints: set another "
+                "checkpoint.dir (or run_dir) or delete it"
+            )
+
+    def layout_dict(self) -> dict:
+        lay = self.groups.layout
+        return {"tp": lay.tp, "cp": lay.cp, "dp": lay.dp, "pp": lay.pp, "sequence_parallel": lay.sequence_parallel}
+
+    def trainer_state(self) -> dict:
+        return {
+            "step": self.step, "consumed_samples": self.loader.consumed_samples,
+            "consumed_tokens": self.loader.consumed_samples * self.plan.model.seq_length,
+            "skipped_steps": self.skipped, "consecutive_nonfinite": self.consecutive_nonfinite,
+            "data_loader": self.loader.state_dict(), "lr_schedule": self.schedule.state_dict(),
+            "world_size": self.plan.world_size, "layout": self.layout_dict(), "time": time.time(),
+        }
+
+    def save(self) -> str:
+        return self.ckpt.save(self.engine, self.step, self.trainer_state(), self.cfg.to_yaml())
+
+    def train_step(self, batches) -> dict:
+        """One optimizer step over `gas` micro-batches; a non-finite loss on any rank skips the update."""
+        lr = self.schedule(self.step)
+        set_lr(self.optimizer, lr)
+        poisoned = (self.step + 1) in self.cfg.debug.nan_loss_steps
+        loss_sum = torch.zeros((), dtype=torch.float64)
+        for micro in range(self.gas):
+            batch = {k: v.to(self.engine.device) for k, v in next(batches).items()}
+            loss = self._loss(batch)
+            if poisoned:
+                loss = loss * float("nan")
+            self.engine.backward(loss)
+            loss_sum += loss.detach().double().cpu()
+            if micro < self.gas - 1:
+                self.engine.step()
+        flags = torch.tensor([loss_sum.item(), float(not math.isfinite(loss_sum.item())), float(self.stop.requested)],
+                             dtype=torch.float64)
+        dist.all_reduce(flags)
+        skip = flags[1].item() > 0
+        self.optimizer.skipping = skip
+        try:
+            self.engine.step()
+        finally:
+            self.optimizer.skipping = False
+        self.step += 1
+        self.skipped += int(skip)
+        self.consecutive_nonfinite = self.consecutive_nonfinite + 1 if skip else 0
+        norm = self.engine.get_global_grad_norm()
+        return {"loss": flags[0].item() / (self.gas * dist.get_world_size()), "lr": lr, "skip": skip,
+                "stop": flags[2].item() > 0, "grad_norm": float(norm) if norm is not None else float("nan")}
+
+    def _loss(self, batch: dict) -> torch.Tensor:
+        from megahybrid.model.gpt import lm_loss
+
+        return lm_loss(self.engine, batch["tokens"], batch["labels"], batch["loss_mask"])
+
+    @torch.no_grad()
+    def evaluate(self) -> dict | None:
+        if self.valid_ds is None or self.cfg.eval.iters == 0:
+            return None
+        self.engine.eval()
+        total, count = torch.zeros((), dtype=torch.float64), 0
+        for batch in valid_loader(self.cfg, self.valid_ds, self.groups):
+            batch = {k: v.to(self.engine.device) for k, v in batch.items()}
+            total += self._loss(batch).double().cpu()
+            count += 1
+        self.engine.train()
+        dist.all_reduce(total)
+        loss = total.item() / max(1, count * dist.get_world_size())
+        return {"valid/loss": loss, "valid/perplexity": math.exp(min(loss, 700.0))}
+
+    def _log(self, result: dict, step_time: float) -> None:
+        tokens = self.cfg.batch.global_batch_size * self.plan.model.seq_length
+        tflops = self.flops_per_token * tokens / step_time / self.plan.world_size / 1e12
+        values = {
+            "train/loss": result["loss"], "train/lr": result["lr"], "train/grad_norm": result["grad_norm"],
+            "train/skipped_steps": float(self.skipped), "train/consumed_tokens": float(self.loader.consumed_samples
+                                                                                        * self.plan.model.seq_length),
+            "perf/tokens_per_s": tokens / step_time, "perf/tflops_per_gpu": tflops,
+            "perf/mfu": tflops / self.cfg.logging.peak_tflops, "time/step_s": step_time, **memory_mib(),
+        }
+        if self.step % self.cfg.logging.interval == 0 or self.step == self.cfg.train.steps:
+            values.update(model_metrics(self.model))
+            self.logger.progress(self.step, values)
+        self.logger.scalars(self.step, values)
+
+    def print_start(self) -> None:
+        if not self.is_logger:
+            return
+        lay = self.groups.layout
+        derived = (
+            f"# derived: world_size={self.plan.world_size} tp={lay.tp} cp={lay.cp} dp={lay.dp} "
+            f"grad_accumulation={self.gas} precision={self.plan.precision} zero_stage={zero_stage(self.ds_config)} "
+            f"params={self.num_params / 1e6:.2f}M flops_per_token={self.flops_per_token:.3e} "
+            f"device={self.engine.device}"
+        )
+        text = self.cfg.to_yaml() + derived
+        print("resolved config:\n" + text, flush=True)
+        self.logger.text("config", text)
+        os.makedirs(self.cfg.run_dir, exist_ok=True)
+        with open(os.path.join(self.cfg.run_dir, "config.yaml"), "w") as f:
+            f.write(self.cfg.to_yaml())
+        if self.resume_tag:
+            print(f"resumed from {os.path.join(self.cfg.checkpoint_dir, self.resume_tag)} at step {self.step}",
+                  flush=True)
+
+    def run(self) -> int:
+        self.print_start()
+        batches = iter(self.loader)
+        self.logger.start(self.step)
+        code, last_saved = EXIT_OK, self.step if self.resume_tag else None
+        while self.step < self.cfg.train.steps:
+            start = time.monotonic()
+            result = self.train_step(batches)
+            if self.cfg.debug.sleep_per_step:
+                time.sleep(self.cfg.debug.sleep_per_step)
+            self._log(result, time.monotonic() - start)
+            if self.step % self.cfg.eval.interval == 0:
+                self._evaluate_and_log()
+            if result["stop"] or self.consecutive_nonfinite >= self.cfg.train.max_consecutive_nonfinite:
+                code = EXIT_REQUEUE if result["stop"] else EXIT_NONFINITE
+                break
+            if self.step % self.cfg.checkpoint.interval == 0:
+                self.save()
+                last_saved = self.step
+            if self.step == self.cfg.debug.sigkill_after_step:
+                os.kill(os.getpid(), signal.SIGKILL)
+        if code == EXIT_OK and self.step % self.cfg.eval.interval:
+            self._evaluate_and_log()
+        path = self.save() if last_saved != self.step else os.path.join(self.cfg.checkpoint_dir, f"step_{self.step:08d}")
+        self.logger.close()
+        self._report_end(code, path)
+        return code
+
+    def _evaluate_and_log(self) -> None:
+        values = self.evaluate()
+        if values:
+            self.logger.scalars(self.step, values)
+            say(self.is_logger, f"validation at step {self.step}: loss {values['valid/loss']:.4f}  "
+                                f"perplexity {values['valid/perplexity']:.2f}")
+
+    def _report_end(self, code: int, path: str) -> None:
+        if not self.is_logger:
+            return
+        if code == EXIT_REQUEUE:
+            print(f"received {self.stop.signal_name or 'a stop signal on another rank'}: saved {path}; exiting with "
+                  f"code {EXIT_REQUEUE} so the launcher can requeue (the next start resumes there)", flush=True)
+        elif code == EXIT_NONFINITE:
+            print(f"error: {self.consecutive_nonfinite} steps in a row had a non-finite loss (last: step {self.step}); "
+                  f"saved {path}; lower optimizer.lr, raise optimizer.warmup_steps or check the data, then resume",
+                  file=sys.stderr, flush=True)
+        else:
+            print(f"training finished at step {self.step}: checkpoint {path}", flush=True)
+        print(f"resume: megahybrid train --config {os.path.join(self.cfg.run_dir, 'config.yaml')} "
+              f"(continues from {self.cfg.checkpoint_dir}/latest)\n"
+              f"tensorboard: tensorboard --logdir {self.cfg.tensorboard_dir}", flush=True)
+
+
+def _quiet_deepspeed() -> None:
+    from deepspeed.utils import logger
+
+    logger.setLevel(logging.WARNING)
+
+
+def train(cfg: RunConfig, resume: bool = True) -> int:
+    """Validate, then train; returns the exit code. Call after `resolve_launch_env()`."""
+    from megahybrid.distributed import shutdown
+
+    plan = make_plan(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+    trainer = None
+    try:
+        trainer = Trainer(plan, resume=resume)
+        return trainer.run()
+    finally:
+        shutdown()
+
+
+__all__ = ["train", "make_plan", "Trainer", "EXIT_OK", "EXIT_CRASH", "EXIT_USER_ERROR", "EXIT_REQUEUE",
+           "EXIT_NONFINITE", "UserError"]
