@@ -6,6 +6,7 @@ backward recomputes P from the saved log-sum-exp and accumulates the keep gradie
 a kept chunk's keys seen from later chunks, in the same pass that builds dK and dV.
 """
 import math
+import os
 
 import torch
 import triton
@@ -59,21 +60,35 @@ def _softmax_step(b_q, b_kt, b_v, b_m, b_l, b_o, qk_scale, b_mask, PREC: tl.cons
 
 
 @triton.jit
-def _fwd_far_step(j, b_q, b_m, b_l, b_o, k, v, far_idx, stride_t, qk_scale,
-                  D: tl.constexpr, BD: tl.constexpr, BT: tl.constexpr, PREC: tl.constexpr):
-    # The j-th kept chunk before the program's first query chunk: all keys visible, no mask.
-    rows = tl.load(far_idx + j).to(tl.int64) * BT + tl.arange(0, BT)
-    b_kt = _load_tile(k, rows, None, stride_t, D, BD, True, False)
-    b_v = _load_tile(v, rows, None, stride_t, D, BD, False, False)
-    return _softmax_step(b_q, b_kt, b_v, b_m, b_l, b_o, qk_scale, None, PREC, False)
+def _far_rows(far_idx, j, n, BT: tl.constexpr, KB: tl.constexpr, MASKED: tl.constexpr):
+    # Token rows of kept chunks number j*KB ... j*KB+KB-1 in the kept list, as one key block of KB*BT rows;
+    # MASKED (the last, partial group) also returns which rows belong to an existing list entry.
+    slot = j * KB + tl.arange(0, KB)
+    if MASKED:
+        idx = tl.load(far_idx + slot, mask=slot < n, other=0)
+    else:
+        idx = tl.load(far_idx + slot)
+    rows = tl.reshape(idx.to(tl.int64)[:, None] * BT + tl.arange(0, BT)[None, :], [KB * BT])
+    valid = tl.reshape(tl.broadcast_to((slot < n)[:, None], [KB, BT]), [KB * BT])
+    return rows, valid
+
+
+@triton.jit
+def _fwd_far_step(j, n, b_q, b_m, b_l, b_o, k, v, far_idx, stride_t, qk_scale, D: tl.constexpr, BD: tl.constexpr,
+                  BT: tl.constexpr, KB: tl.constexpr, PREC: tl.constexpr, MASKED: tl.constexpr):
+    # KB kept chunks before the program's first query chunk: all of their keys are visible.
+    rows, valid = _far_rows(far_idx, j, n, BT, KB, MASKED)
+    b_kt = _load_tile(k, rows, valid, stride_t, D, BD, True, MASKED)
+    b_v = _load_tile(v, rows, valid, stride_t, D, BD, False, MASKED)
+    return _softmax_step(b_q, b_kt, b_v, b_m, b_l, b_o, qk_scale, valid[None, :], PREC, MASKED)
 
 
 @triton.jit
 def _fwd_kernel(
     q, k_far, v_far, k, v, o, lse, keep, far_idx, n_far, qk_scale,
     T, NC, s_fb, s_fh, s_ft,
-    H: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BT: tl.constexpr, G: tl.constexpr, PREC: tl.constexpr,
-    INTERPRET: tl.constexpr,
+    H: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BT: tl.constexpr, G: tl.constexpr, KB: tl.constexpr,
+    PREC: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     # One program = G consecutive query chunks of one (b, h), heaviest (latest) programs launched first. Keys come
     # from `k_far` (kept chunks before the program's chunks, rows far_idx[j] * BT ...), then from the program's own
@@ -96,12 +111,17 @@ def _fwd_kernel(
     n = tl.load(n_far + i_bh * NC + i_m * G)
     if INTERPRET:
         j = 0
-        while j < n:
-            b_m, b_l, b_o = _fwd_far_step(j, b_q, b_m, b_l, b_o, far, far_v, far_idx, s_ft, qk_scale, D, BD, BT, PREC)
+        while j < n // KB:
+            b_m, b_l, b_o = _fwd_far_step(j, n, b_q, b_m, b_l, b_o, far, far_v, far_idx, s_ft, qk_scale, D, BD, BT, KB,
+                                          PREC, False)
             j += 1
     else:
-        for j in range(n):
-            b_m, b_l, b_o = _fwd_far_step(j, b_q, b_m, b_l, b_o, far, far_v, far_idx, s_ft, qk_scale, D, BD, BT, PREC)
+        for j in range(n // KB):
+            b_m, b_l, b_o = _fwd_far_step(j, n, b_q, b_m, b_l, b_o, far, far_v, far_idx, s_ft, qk_scale, D, BD, BT, KB,
+                                          PREC, False)
+    if n % KB != 0:
+        b_m, b_l, b_o = _fwd_far_step(n // KB, n, b_q, b_m, b_l, b_o, far, far_v, far_idx, s_ft, qk_scale, D, BD, BT,
+                                      KB, PREC, True)
     for g in tl.static_range(G):
         c = i_m * G + g
         o_s = c * BT + tl.arange(0, BT)
@@ -141,18 +161,14 @@ def _dkdv_step(b_k, b_v, q, do, lse, delta, o_q, T, stride_t, qk_scale, b_mask,
 
 
 @triton.jit
-def _dkdv_later_step(i_q, b_k, b_v, b_dk, b_dv, b_dkeep, b_w, q, do, lse, delta, T, NC, stride_t, qk_scale,
+def _dkdv_later_step(i_q, b_k, b_v, b_dk, b_dv, b_dkeep, b_w, q, do, lse, delta, T, stride_t, qk_scale,
                      D: tl.constexpr, BD: tl.constexpr, BT: tl.constexpr, PREC: tl.constexpr,
-                     GRAD_UNSELECTED: tl.constexpr):
-    # Query chunk i_q after the key chunk: no causal mask (only the partial last chunk is row-masked); its dS
+                     GRAD_UNSELECTED: tl.constexpr, MASK_ROWS: tl.constexpr):
+    # Query chunk i_q after the key chunk: no causal mask (MASK_ROWS only for the partial last chunk); its dS
     # feeds the keep gradient. With GRAD_UNSELECTED an unselected chunk (b_w = 0) is visited for that only.
     o_q = i_q * BT + tl.arange(0, BT)
-    if i_q == NC - 1:
-        b_pt, b_dst, b_qt, b_do = _dkdv_step(b_k, b_v, q, do, lse, delta, o_q, T, stride_t, qk_scale,
-                                             tl.full([BT, BT], 1, dtype=tl.int1), D, BD, PREC, True)
-    else:
-        b_pt, b_dst, b_qt, b_do = _dkdv_step(b_k, b_v, q, do, lse, delta, o_q, T, stride_t, qk_scale, None,
-                                             D, BD, PREC, False)
+    b_pt, b_dst, b_qt, b_do = _dkdv_step(b_k, b_v, q, do, lse, delta, o_q, T, stride_t, qk_scale,
+                                         tl.full([BT, BT], 1, dtype=tl.int1), D, BD, PREC, MASK_ROWS)
     b_dkeep += tl.sum(b_dst, 1)
     if GRAD_UNSELECTED:
         b_pt, b_dst = b_pt * b_w, b_dst * b_w
@@ -191,16 +207,20 @@ def _bwd_dkdv_kernel(
     else:
         n_later = tl.where(kept, NC - 1 - i_c, 0)
     b_dkeep = tl.zeros([BT], dtype=tl.float32)
+    # Later query chunks except the last one (full, unmasked; a pipelined loop), then the last one row-masked.
     if INTERPRET:
         i = 0
-        while i < n_later:
+        while i < n_later - 1:
             b_dk, b_dv, b_dkeep = _dkdv_later_step(i_c + 1 + i, b_k, b_v, b_dk, b_dv, b_dkeep, b_w, q, do, lse, delta,
-                                                   T, NC, H * D, qk_scale, D, BD, BT, PREC, GRAD_UNSELECTED)
+                                                   T, H * D, qk_scale, D, BD, BT, PREC, GRAD_UNSELECTED, False)
             i += 1
     else:
-        for i in range(n_later):
+        for i in range(n_later - 1):
             b_dk, b_dv, b_dkeep = _dkdv_later_step(i_c + 1 + i, b_k, b_v, b_dk, b_dv, b_dkeep, b_w, q, do, lse, delta,
-                                                   T, NC, H * D, qk_scale, D, BD, BT, PREC, GRAD_UNSELECTED)
+                                                   T, H * D, qk_scale, D, BD, BT, PREC, GRAD_UNSELECTED, False)
+    if n_later > 0:
+        b_dk, b_dv, b_dkeep = _dkdv_later_step(NC - 1, b_k, b_v, b_dk, b_dv, b_dkeep, b_w, q, do, lse, delta,
+                                               T, H * D, qk_scale, D, BD, BT, PREC, GRAD_UNSELECTED, True)
     o_d = tl.arange(0, BD)
     m_cd = m_c[:, None] & (o_d[None, :] < D)
     tl.store(dk + o_c[:, None] * (H * D) + o_d[None, :], (b_dk * scale).to(dk.dtype.element_ty), mask=m_cd)
@@ -219,22 +239,23 @@ def _dq_step(b_q, b_do, b_lse, b_delta, b_kt, b_vt, qk_scale, b_mask, PREC: tl.c
 
 
 @triton.jit
-def _dq_far_step(j, b_q, b_do, b_lse, b_delta, k, v, far_idx, stride_t, qk_scale,
-                 D: tl.constexpr, BD: tl.constexpr, BT: tl.constexpr, PREC: tl.constexpr):
-    rows = tl.load(far_idx + j).to(tl.int64) * BT + tl.arange(0, BT)
-    b_kt = _load_tile(k, rows, None, stride_t, D, BD, True, False)
-    b_vt = _load_tile(v, rows, None, stride_t, D, BD, True, False)
-    return _dq_step(b_q, b_do, b_lse, b_delta, b_kt, b_vt, qk_scale, None, PREC, False)
+def _dq_far_step(j, n, b_q, b_do, b_lse, b_delta, k, v, far_idx, stride_t, qk_scale, D: tl.constexpr,
+                 BD: tl.constexpr, BT: tl.constexpr, KB: tl.constexpr, PREC: tl.constexpr, MASKED: tl.constexpr):
+    rows, valid = _far_rows(far_idx, j, n, BT, KB, MASKED)
+    b_kt = _load_tile(k, rows, valid, stride_t, D, BD, True, MASKED)
+    b_vt = _load_tile(v, rows, valid, stride_t, D, BD, True, MASKED)
+    return _dq_step(b_q, b_do, b_lse, b_delta, b_kt, b_vt, qk_scale, valid[None, :], PREC, MASKED)
 
 
 @triton.jit
 def _bwd_dq_kernel(
-    q, k, v, do, lse, delta, keep, far_idx, n_far, dq, qk_scale, scale,
+    q, k, v, o, do, lse, delta, keep, far_idx, n_far, dq, qk_scale, scale,
     T, NC,
-    H: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BT: tl.constexpr, G: tl.constexpr, PREC: tl.constexpr,
-    INTERPRET: tl.constexpr,
+    H: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BT: tl.constexpr, G: tl.constexpr, KB: tl.constexpr,
+    PREC: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     # dQ of G consecutive query chunks, visiting the same keys as the forward (kept list, then own chunks).
+    # Runs before the dK/dV kernel and stores Delta = rowsum(O * dO) for it.
     i_m, i_bh = tl.num_programs(0) - 1 - tl.program_id(0), tl.program_id(1)
     i_b, i_h = (i_bh // H).to(tl.int64), (i_bh % H).to(tl.int64)
     base = (i_b * T * H + i_h) * D
@@ -245,19 +266,25 @@ def _bwd_dq_kernel(
     b_q = _load_tile(q, o_t, m_t, H * D, D, BD, False, True)
     b_do = _load_tile(do, o_t, m_t, H * D, D, BD, False, True)
     b_lse = tl.load(lse + i_bh * T + o_t, mask=m_t, other=0.0)
-    b_delta = tl.load(delta + i_bh * T + o_t, mask=m_t, other=0.0)
+    b_delta = tl.sum(_load_tile(o + base, o_t, m_t, H * D, D, BD, False, True).to(tl.float32) * b_do.to(tl.float32), 1)
+    tl.store(delta + i_bh * T + o_t, b_delta, mask=m_t)
     b_dq = tl.zeros([BM, BD], dtype=tl.float32)
     keep += i_bh * NC
     far_idx += i_bh * NC
     n = tl.load(n_far + i_bh * NC + i_m * G)
     if INTERPRET:
         j = 0
-        while j < n:
-            b_dq += _dq_far_step(j, b_q, b_do, b_lse, b_delta, k, v, far_idx, H * D, qk_scale, D, BD, BT, PREC)
+        while j < n // KB:
+            b_dq += _dq_far_step(j, n, b_q, b_do, b_lse, b_delta, k, v, far_idx, H * D, qk_scale, D, BD, BT, KB, PREC,
+                                 False)
             j += 1
     else:
-        for j in range(n):
-            b_dq += _dq_far_step(j, b_q, b_do, b_lse, b_delta, k, v, far_idx, H * D, qk_scale, D, BD, BT, PREC)
+        for j in range(n // KB):
+            b_dq += _dq_far_step(j, n, b_q, b_do, b_lse, b_delta, k, v, far_idx, H * D, qk_scale, D, BD, BT, KB, PREC,
+                                 False)
+    if n % KB != 0:
+        b_dq += _dq_far_step(n // KB, n, b_q, b_do, b_lse, b_delta, k, v, far_idx, H * D, qk_scale, D, BD, BT, KB, PREC,
+                             True)
     for g in tl.static_range(G):
         c = i_m * G + g
         o_s = c * BT + tl.arange(0, BT)
@@ -301,15 +328,16 @@ def _interpret(q: torch.Tensor) -> bool:
     return q.device.type == "cpu"
 
 
-# Launch settings on a GPU (the interpreter ignores warps and stages). G = query chunks per program.
+# Launch settings on a GPU (the interpreter ignores warps and stages). G = query chunks per program, KB = kept
+# chunks per key block in the loop over earlier kept chunks.
 # tools/bench_nats_attention.py sweeps these; the values here are its choice on an H200.
 GPU_CONFIG = {
-    "fwd": {"G": 2, "num_warps": 8, "num_stages": 2},
+    "fwd": {"G": 2, "KB": 1, "num_warps": 8, "num_stages": 2},
     "dkdv": {"num_warps": 4, "num_stages": 2},
-    "dq": {"G": 2, "num_warps": 8, "num_stages": 2},
+    "dq": {"G": 2, "KB": 1, "num_warps": 8, "num_stages": 2},
 }
 # Under the interpreter only G matters; tests switch it to cover both program shapes.
-CPU_CONFIG = {"fwd": {"G": 2}, "dkdv": {}, "dq": {"G": 2}}
+CPU_CONFIG = {"fwd": {"G": 2, "KB": 2}, "dkdv": {}, "dq": {"G": 2, "KB": 2}}
 
 
 def _config(q: torch.Tensor, kernel: str) -> dict:
@@ -365,18 +393,18 @@ def chunk_selected_attention_bwd(
     B, T, H, D = q.shape
     NC = keep.shape[-1]
     far_idx, n_far = kept_chunk_lists(keep)
-    delta = (o.float() * do.float()).sum(-1).transpose(1, 2).contiguous()
+    delta = torch.empty(B, H, T, device=q.device, dtype=torch.float32)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     dkeep = torch.empty(B, H, NC, device=q.device, dtype=torch.float32)
     keep = keep.float().contiguous()
     consts = dict(H=H, D=D, BD=_block_d(D), BT=chunk_size, PREC=_precision(q), INTERPRET=_interpret(q))
+    cfg = _config(q, "dq")
+    _bwd_dq_kernel[(triton.cdiv(NC, cfg["G"]), B * H)](
+        q, k, v, o, do, lse, delta, keep, far_idx, n_far, dq, scale * LOG2E, scale, T, NC, **consts, **cfg,
+    )
     _bwd_dkdv_kernel[(NC, B * H)](
         q, k, v, do, lse, delta, keep, dk, dv, dkeep, scale * LOG2E, scale, T, NC,
         GRAD_UNSELECTED=grad_unselected, **consts, **_config(q, "dkdv"),
-    )
-    cfg = _config(q, "dq")
-    _bwd_dq_kernel[(triton.cdiv(NC, cfg["G"]), B * H)](
-        q, k, v, do, lse, delta, keep, far_idx, n_far, dq, scale * LOG2E, scale, T, NC, **consts, **cfg,
     )
     return dq, dk, dv, dkeep
 
@@ -418,8 +446,8 @@ def _check_inputs(q, k, v, keep, chunk_size):
         raise ValueError(f"q, k, v must share one float dtype (fp32, bf16, fp16), got {q.dtype}, {k.dtype}, {v.dtype}")
     if D > 256:
         raise ValueError(f"head dim D must be <= 256, got {D}")
-    if not torch.compiler.is_compiling() and not bool(((keep == 0) | (keep == 1)).all()):
-        raise ValueError("keep must hold only 0 and 1 (round or threshold the selection first)")
+    if q.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("CPU tensors need TRITON_INTERPRET=1 (set before triton is imported) or a CUDA device")
 
 
 def chunk_selected_attention(
@@ -436,7 +464,8 @@ def chunk_selected_attention(
 
     Args:
         q, k, v: [B, T, H, D] (same H for all three: no GQA).
-        keep: [B, H, ceil(T / chunk_size)] float in {0, 1}; receives the straight-through selection gradient.
+        keep: [B, H, ceil(T / chunk_size)] float in {0, 1} (entries equal to 1 are kept; values are not checked,
+            which would cost a host sync); receives the straight-through selection gradient.
         scale: default 1/sqrt(D).
         chunk_size: 16, 32, 64 or 128 (also the kernels' block size).
         grad_unselected: also compute d(keep) for chunks with keep = 0 (visits them in the backward).
