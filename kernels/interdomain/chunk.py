@@ -27,6 +27,16 @@ def _cmul(ar, ai, br, bi):
 
 
 @triton.jit
+def _re_conj(ar, ai, br, bi):
+    return ar * br + ai * bi
+
+
+@triton.jit
+def _im_conj(ar, ai, br, bi):
+    return ai * br - ar * bi
+
+
+@triton.jit
 def _scan_step(ic, xr, xi, dr, di, cbr, cbi, z_ptr, c_ptr, pw, xb_ptr, db_ptr, i_b, i_h, i_bh, om, od, oc, mm, md, mmd,
                st, T, NC, H: tl.constexpr, D: tl.constexpr, M: tl.constexpr, C: tl.constexpr, PB: tl.constexpr,
                COEF: tl.constexpr, DERIV: tl.constexpr, REV: tl.constexpr, INIT_SHIFT: tl.constexpr,
@@ -127,10 +137,13 @@ def _scan_kernel(z_ptr, c_ptr, b_ptr, pw_ptr, x0_ptr, xb_ptr, xf_ptr, db_ptr, df
 
 @triton.jit
 def _readout_a_kernel(x_ptr, z_ptr, xb_ptr, db_ptr, x0_ptr, b_ptr, pw_ptr, cpw_ptr, rr_ptr, cr_ptr, rrd_ptr, crd_ptr,
-                      y_ptr, yb_ptr, yl_ptr, T, NC,
+                      y_ptr, yb_ptr, yl_ptr, pa_ptr, part_ptr, T, NC,
                       H: tl.constexpr, D: tl.constexpr, M: tl.constexpr, C: tl.constexpr, S: tl.constexpr,
                       BM: tl.constexpr, BD: tl.constexpr, PB: tl.constexpr, HAS_INIT: tl.constexpr,
-                      DERIV: tl.constexpr, PREC: tl.constexpr):
+                      DERIV: tl.constexpr, PARTNER: tl.constexpr, PREC: tl.constexpr):
+    # PARTNER: yb_ptr / yl_ptr hold the other path's (a, a_hat, a_ell) = (y, yb, yl) of y_ptr's layout; instead of
+    # storing this path's a_hat and a_ell, accumulate sum_t y conj(partner_hat) + partner conj(y_hat) (db) and the
+    # same with the log-lambda derivatives into part_ptr [B*H, NC, 4, M]
     ic, i_m, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // H, i_bh % H
     NQ: tl.constexpr = S // 4
@@ -166,6 +179,10 @@ def _readout_a_kernel(x_ptr, z_ptr, xb_ptr, db_ptr, x0_ptr, b_ptr, pw_ptr, cpw_p
     ln_r = tl.load(pw + 2 * PB + tab)
     ln_i = tl.load(pw + 3 * PB + tab)
     causal = os[None, :] <= os[:, None]
+    sbr = tl.zeros([BM], dtype=tl.float32)
+    sbi = tl.zeros([BM], dtype=tl.float32)
+    slr = tl.zeros([BM], dtype=tl.float32)
+    sli = tl.zeros([BM], dtype=tl.float32)
     for s in tl.static_range(C // S):
         t0 = ic * C + s * S
         if t0 < T:
@@ -228,7 +245,18 @@ def _readout_a_kernel(x_ptr, z_ptr, xb_ptr, db_ptr, x0_ptr, b_ptr, pw_ptr, cpw_p
             mo = ok[:, None] & mm[None, :]
             tl.store(y_ptr + out, ar, mask=mo)
             tl.store(y_ptr + out + M, ai, mask=mo)
-            if DERIV:
+            if PARTNER:
+                par = tl.load(pa_ptr + out, mask=mo, other=0.0)
+                pai = tl.load(pa_ptr + out + M, mask=mo, other=0.0)
+                pbr = tl.load(yb_ptr + out, mask=mo, other=0.0)
+                pbi = tl.load(yb_ptr + out + M, mask=mo, other=0.0)
+                sbr += tl.sum(_re_conj(ar, ai, pbr, pbi) + _re_conj(par, pai, yr, yi), 0)
+                sbi += tl.sum(_im_conj(ar, ai, pbr, pbi) + _im_conj(par, pai, yr, yi), 0)
+                plr = tl.load(yl_ptr + out, mask=mo, other=0.0)
+                pli = tl.load(yl_ptr + out + M, mask=mo, other=0.0)
+                slr += tl.sum(_re_conj(ar, ai, plr, pli) + _re_conj(par, pai, lr_, li_), 0)
+                sli += tl.sum(_im_conj(ar, ai, plr, pli) + _im_conj(par, pai, lr_, li_), 0)
+            elif DERIV:
                 tl.store(yb_ptr + out, yr, mask=mo)
                 tl.store(yb_ptr + out + M, yi, mask=mo)
                 tl.store(yl_ptr + out, lr_, mask=mo)
@@ -248,6 +276,12 @@ def _readout_a_kernel(x_ptr, z_ptr, xb_ptr, db_ptr, x0_ptr, b_ptr, pw_ptr, cpw_p
                 xr, xi = _cmul(sr, si, xr, xi)
                 xr += tl.dot(zt, ur.to(DT), input_precision=PREC)
                 xi += tl.dot(zt, ui.to(DT), input_precision=PREC)
+    if PARTNER:
+        pp = part_ptr + (i_bh * NC + ic) * 4 * M + om
+        tl.store(pp, sbr, mask=mm)
+        tl.store(pp + M, sbi, mask=mm)
+        tl.store(pp + 2 * M, slr, mask=mm)
+        tl.store(pp + 3 * M, sli, mask=mm)
 
 
 @triton.jit
@@ -409,23 +443,33 @@ def scan_fwd(z, b, tabs, C, coef=ONES, c=None, x0=None, deriv=False, rev=False, 
     return (xb, xf, db, df) if deriv else (xb, xf)
 
 
-def readout_a(x, z, xb, b, tabs, C, x0=None, db=None):
+def readout_a(x, z, xb, b, tabs, C, x0=None, db=None, partner=None):
     """a_{m,t} = x_t . (lam^(t+1) X0 + b Xhat_t)[m] from b-free states xb of (z, coefficient 1).
 
-    Returns a [B, T, H, 2, M] fp32; with db (derivative states) also a_hat = x . Xhat and d a / d(log lam).
+    Returns a [B, T, H, 2, M] fp32. With db (derivative states) also a_hat = x . Xhat and d a / d(log lam);
+    with partner = the other path's (a, a_hat, a_ell) as well, instead of those two the parameter-gradient
+    partial sums [B*H, NC, 4, M] = (db re, db im, dlog-lambda re, dlog-lambda im) per chunk.
     """
     B, T, H, D = x.shape
     M, NC = tabs.M, triton.cdiv(T, C)
     deriv = db is not None
     y = x.new_empty(B, T, H, 2, M, dtype=torch.float32)
-    yb = x.new_empty(B, T, H, 2, M, dtype=torch.float32) if deriv else y
-    yl = x.new_empty(B, T, H, 2, M, dtype=torch.float32) if deriv else y
+    if partner is not None:
+        pa, yb, yl = partner
+        part = x.new_empty(B * H, NC, 4, M, dtype=torch.float32)
+    else:
+        yb = x.new_empty(B, T, H, 2, M, dtype=torch.float32) if deriv else y
+        yl = x.new_empty(B, T, H, 2, M, dtype=torch.float32) if deriv else y
+        pa = part = y
     BM = min(tabs.PB, 16 if deriv else 32)
     grid = (NC, triton.cdiv(M, BM), B * H)
     _readout_a_kernel[grid](x, z, xb, db if deriv else xb, x0 if x0 is not None else xb, b, tabs.pw, tabs.cpw,
-                            tabs.rowR, tabs.colR, tabs.rowRd, tabs.colRd, y, yb, yl, T, NC,
+                            tabs.rowR, tabs.colR, tabs.rowRd, tabs.colRd, y, yb, yl, pa, part, T, NC,
                             H=H, D=D, M=M, C=C, S=SUB, BM=BM, BD=_next_pow2(D), PB=tabs.PB,
-                            HAS_INIT=x0 is not None, DERIV=deriv, PREC=_prec(x), num_warps=4)
+                            HAS_INIT=x0 is not None, DERIV=deriv, PARTNER=partner is not None, PREC=_prec(x),
+                            num_warps=4)
+    if partner is not None:
+        return y, part
     return (y, yb, yl) if deriv else y
 
 
@@ -488,9 +532,9 @@ def interdomain_bwd(q, k, v, decay, b, u0, g0, do, duf, dgf, chunk_size=64):
     ub, uf, udb, udf = scan_fwd(k, b, fwd, C, deriv=True)
     a, a_hat, a_ell = readout_a(q, k, ub, b, fwd, C, x0=u0, db=udb)
     gb, gf, gdb, gdf = scan_fwd(v, b, fwd, C, deriv=True)
-    da, da_hat, da_ell = readout_a(do, v, gb, b, fwd, C, x0=g0, db=gdb)
-    ddecay, dbb = _param_grads(a, a_hat, a_ell, da, da_hat, da_ell, decay, b, T,
-                               (duf, uf, udf, u0), (dgf, gf, gdf, g0))
+    da, part = readout_a(do, v, gb, b, fwd, C, x0=g0, db=gdb, partner=(a, a_hat, a_ell))
+    del a_hat, a_ell
+    ddecay, dbb = _param_grads(part, decay, b, T, (duf, uf, udf, u0), (dgf, gf, gdf, g0))
     sb, _ = scan_fwd(k, b, fwd, C, coef=CONST_B, x0=u0)
     dq = readout_o(k, sb, b, fwd, C, r=da, out_dtype=q.dtype)
     rb, rf = scan_fwd(q, b, rev, C, coef=PER_TOKEN, c=da, x0=duf, rev=True, init_shift=True)
@@ -507,11 +551,12 @@ def _step_back(xf, decay):
     return _pairs(_lam_pow(decay, 1).conj() * _cplx(xf.double(), 2), 2).float()
 
 
-def _param_grads(a, a_hat, a_ell, da, da_hat, da_ell, decay, b, T, ustate, gstate):
+def _param_grads(part, decay, b, T, ustate, gstate):
     """d decay = (Re, Im) of dL/d(log lam); db = dL/db; both as real pairs [H, M, 2] (see README)."""
-    ac, dac = _cplx(a, 3), _cplx(da, 3)
-    dell = (dac * _cplx(a_ell, 3).conj() + ac * _cplx(da_ell, 3).conj()).sum((0, 1)).to(torch.complex128)
-    dbc = (dac * _cplx(a_hat, 3).conj() + ac * _cplx(da_hat, 3).conj()).sum((0, 1)).to(torch.complex128)
+    H = decay.shape[0]
+    sums = part.double().view(-1, H, part.shape[1], 4, part.shape[3]).sum((0, 2))  # [H, 4, M]
+    dbc = torch.complex(sums[:, 0], sums[:, 1])
+    dell = torch.complex(sums[:, 2], sums[:, 3])
     bc = _cplx(b.double(), -1)[..., None]
     for dxf, xf, xdf, x0 in (ustate, gstate):
         if dxf is None:

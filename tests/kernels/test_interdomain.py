@@ -1,0 +1,160 @@
+"""Interdomain Attention: Triton chunk kernels vs the fp32 naive definition (CPU: interpreter, fp32)."""
+import re
+
+import pytest
+import torch
+
+from kernels.interdomain import interdomain_attention, interdomain_recurrent, interdomain_step
+from kernels.interdomain.naive import interdomain_attention_naive
+from tests.utils import assert_close, rel_rms_error, requires_gpu, test_device
+
+DEV = test_device()
+# fp32 inputs run tl.dot in IEEE fp32 (interpreter and GPU); bf16 runs bf16 tensor-core dots with fp32 states
+FP32_TOL = 1e-4
+BF16_TOL = 2e-2
+BF16_GRAD_TOL = 4e-2
+
+
+def make_inputs(B, T, H, K, V, M, dtype=torch.float32, normalize=False, init=True, strong=False, seed=0,
+                device=DEV):
+    """Random q, k, v, decay, b and an initial state; `normalize` keeps the denominator away from 0."""
+    gen = torch.Generator().manual_seed(seed)
+    rnd = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
+    uni = lambda *s: torch.rand(*s, generator=gen)  # noqa: E731
+    if normalize:
+        q, k, v = uni(B, T, H, K), uni(B, T, H, K) / K, rnd(B, T, H, V)
+        decay = torch.stack((-0.3 * uni(H, M) - 0.01, 0.3 * uni(H, M)), -1)
+        b = torch.stack((1 + uni(H, M), 0.1 * rnd(H, M)), -1)
+    else:
+        q, k, v = rnd(B, T, H, K), rnd(B, T, H, K) / K**0.5, rnd(B, T, H, V)
+        decay = torch.stack((-uni(H, M) ** 2, 3.1 * uni(H, M)), -1)
+        b = rnd(H, M, 2) / M**0.5
+    if strong:
+        decay[:, ::2, 0] = -30.0 * uni(H, (M + 1) // 2) - 3.0
+    state = None
+    if init:
+        state = (0.3 * rnd(B, H, M, 2, K), 0.3 * rnd(B, H, M, 2, V))
+        if normalize:
+            state = state + (torch.stack((1 + uni(B, H, M), 0.1 * rnd(B, H, M)), -1),)
+    xs = [q.to(dtype), k.to(dtype), v.to(dtype), decay, b] + list(state or ())
+    return [x.to(device) for x in xs]
+
+
+def run_op(fn, inputs, normalize, seed=1, **kw):
+    """Output, final state and the gradients of a random linear function of both, for every input."""
+    xs = [x.detach().clone().requires_grad_() for x in inputs]
+    state = tuple(xs[5:]) or None
+    o, st = fn(*xs[:5], initial_state=state, output_final_state=True, normalize=normalize, **kw)
+    gen = torch.Generator().manual_seed(seed)
+    loss = (o.float() * torch.randn(o.shape, generator=gen).to(o.device)).sum()
+    for s in st:
+        loss = loss + (s * torch.randn(s.shape, generator=gen).to(s.device)).sum()
+    loss.backward()
+    return o, st, [x.grad for x in xs]
+
+
+def compare(inputs, tol, grad_tol=None, normalize=False, **kw):
+    o, st, grads = run_op(interdomain_attention, inputs, normalize, **kw)
+    ref = [x.float() for x in inputs]
+    ro, rst, rgrads = run_op(interdomain_attention_naive, ref, normalize)
+    names = ["q", "k", "v", "decay", "b", "U0", "G0", "eta0"][: len(inputs)]
+    errors = {"o": rel_rms_error(o, ro)}
+    errors.update({f"state{i}": rel_rms_error(a, r) for i, (a, r) in enumerate(zip(st, rst))})
+    errors.update({f"d{n}": rel_rms_error(a, r) for n, a, r in zip(names, grads, rgrads)})
+    print(" ".join(f"{n}={e:.2e}" for n, e in errors.items()))
+    assert_close(o, ro, tol, "o")
+    for i, (a, r) in enumerate(zip(st, rst)):
+        assert_close(a, r, tol, f"final state {i}")
+    for n, a, r in zip(names, grads, rgrads):
+        assert_close(a, r, grad_tol or tol, f"d{n}")
+    return errors
+
+
+@pytest.mark.parametrize("T,M,K,V,C,normalize,init", [
+    (1, 8, 16, 32, 64, False, True),
+    (63, 1, 16, 32, 64, False, True),
+    (64, 8, 32, 16, 64, True, True),
+    (100, 32, 16, 32, 32, False, False),
+    (100, 8, 16, 32, 16, True, False),
+    (300, 8, 16, 32, 64, False, True),
+])
+def test_chunk_matches_naive_cpu(nan_empty, T, M, K, V, C, normalize, init):
+    inputs = make_inputs(1, T, 2, K, V, M, normalize=normalize, init=init)
+    compare(inputs, FP32_TOL, normalize=normalize, chunk_size=C)
+
+
+def test_strong_decay_is_exact(nan_empty):
+    """log|lambda| down to -33: the factored intra-sub-block decays must not overflow or lose the diagonal."""
+    inputs = make_inputs(2, 70, 1, 16, 16, 8, strong=True)
+    compare(inputs, FP32_TOL, chunk_size=32)
+
+
+@pytest.mark.parametrize("normalize", [False, True])
+def test_split_equals_one_call(nan_empty, normalize):
+    """T = a + b in two calls with the state carried equals one call of T (context parallelism, decoding)."""
+    q, k, v, decay, b, *state = make_inputs(1, 90, 2, 16, 32, 8, normalize=normalize)
+    o, st = interdomain_attention(q, k, v, decay, b, tuple(state), True, normalize)
+    o1, st1 = interdomain_attention(q[:, :37], k[:, :37], v[:, :37], decay, b, tuple(state), True, normalize)
+    o2, st2 = interdomain_attention(q[:, 37:], k[:, 37:], v[:, 37:], decay, b, st1, True, normalize)
+    assert_close(torch.cat((o1, o2), 1), o, FP32_TOL, "split output")
+    for a, r in zip(st2, st):
+        assert_close(a, r, FP32_TOL, "split final state")
+
+
+@pytest.mark.parametrize("normalize", [False, True])
+def test_step_repeated_equals_chunk(normalize):
+    q, k, v, decay, b, *state = make_inputs(2, 21, 2, 16, 8, 4, normalize=normalize)
+    o, st = interdomain_attention(q, k, v, decay, b, tuple(state), True, normalize)
+    ro, rst = interdomain_recurrent(q, k, v, decay, b, tuple(state))
+    assert_close(ro, o, FP32_TOL, "recurrent output")
+    for a, r in zip(rst, st):
+        assert_close(a, r, FP32_TOL, "recurrent final state")
+    o1, _ = interdomain_step(q[:, 0], k[:, 0], v[:, 0], decay, b, tuple(state))
+    assert_close(o1, o[:, 0], FP32_TOL, "one step")
+
+
+def _bad(**over):
+    q, k, v, decay, b, u0, g0 = make_inputs(1, 8, 2, 16, 16, 4, device="cpu")
+    args = dict(q=q, k=k, v=v, decay=decay, b=b, initial_state=(u0, g0), chunk_size=64)
+    args.update(over)
+    return args
+
+
+@pytest.mark.parametrize("over,msg", [
+    (dict(k=torch.randn(1, 8, 2, 8)), "q and k must both be [B, T, H, K]"),
+    (dict(v=torch.randn(1, 7, 2, 16)), "v must be [B, T, H, V]"),
+    (dict(v=torch.randn(1, 8, 2, 16, dtype=torch.float64)), "must share one dtype"),
+    (dict(decay=torch.zeros(3, 4, 2)), "decay must be fp32 [H=2, M, 2]"),
+    (dict(b=torch.zeros(2, 5, 2)), "decay and b must share M"),
+    (dict(decay=torch.full((2, 4, 2), 0.1)), "log|lambda| must be <= 0"),
+    (dict(chunk_size=48), "chunk_size must be 16, 32, 64 or 128"),
+    (dict(initial_state=(torch.zeros(1, 2, 4, 2, 16),)), "initial_state must be a tuple of 2 tensors"),
+    (dict(initial_state=(torch.zeros(1, 2, 4, 2, 16), torch.zeros(1, 2, 4, 16))), "initial_state tensors must be"),
+])
+def test_bad_inputs(over, msg):
+    with pytest.raises(ValueError, match=re.escape(msg)):
+        interdomain_attention(**_bad(**over))
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("T,M,normalize", [(1, 32, False), (63, 8, False), (64, 32, True), (100, 1, False),
+                                           (300, 32, False), (1000, 64, False)])
+def test_chunk_matches_naive_gpu_fp32(nan_empty, T, M, normalize):
+    inputs = make_inputs(2, T, 3, 64, 96, M, normalize=normalize)
+    compare(inputs, FP32_TOL, normalize=normalize)
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("T,M,normalize", [(63, 8, False), (100, 32, True), (300, 32, False), (1000, 64, False)])
+def test_chunk_matches_naive_gpu_bf16(nan_empty, T, M, normalize):
+    inputs = make_inputs(2, T, 3, 128, 64, M, dtype=torch.bfloat16, normalize=normalize)
+    compare(inputs, BF16_TOL, BF16_GRAD_TOL, normalize=normalize)
+
+
+@pytest.mark.gpu
+@requires_gpu
+def test_strong_decay_gpu_bf16(nan_empty):
+    inputs = make_inputs(2, 200, 2, 128, 128, 32, dtype=torch.bfloat16, strong=True)
+    compare(inputs, BF16_TOL, BF16_GRAD_TOL)
