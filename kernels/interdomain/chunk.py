@@ -38,7 +38,7 @@ def _im_conj(ar, ai, br, bi):
 
 @triton.jit
 def _scan_step(ic, xr, xi, dr, di, cbr, cbi, z_ptr, c_ptr, pw, xb_ptr, db_ptr, i_b, i_h, i_bh, om, od, oc, mm, md, mmd,
-               st, T, NC, H: tl.constexpr, D: tl.constexpr, M: tl.constexpr, C: tl.constexpr, PB: tl.constexpr,
+               st, T, NC, H, D, M, C: tl.constexpr, PB: tl.constexpr,
                COEF: tl.constexpr, DERIV: tl.constexpr, REV: tl.constexpr, INIT_SHIFT: tl.constexpr,
                PREC: tl.constexpr):
     DT = z_ptr.dtype.element_ty
@@ -93,11 +93,11 @@ def _scan_step(ic, xr, xi, dr, di, cbr, cbi, z_ptr, c_ptr, pw, xb_ptr, db_ptr, i
 
 @triton.jit
 def _scan_kernel(z_ptr, c_ptr, b_ptr, pw_ptr, x0_ptr, xb_ptr, xf_ptr, db_ptr, df_ptr, T, NC,
-                 H: tl.constexpr, D: tl.constexpr, M: tl.constexpr, C: tl.constexpr, BM: tl.constexpr,
+                 H, D, M, C: tl.constexpr, BM: tl.constexpr,
                  BD: tl.constexpr, PB: tl.constexpr, COEF: tl.constexpr, HAS_INIT: tl.constexpr,
                  DERIV: tl.constexpr, REV: tl.constexpr, INIT_SHIFT: tl.constexpr, PREC: tl.constexpr,
                  INTERPRET: tl.constexpr):
-    i_bh, i_d, i_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_bh, i_d, i_m = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // H, i_bh % H
     om = i_m * BM + tl.arange(0, BM)
     od = i_d * BD + tl.arange(0, BD)
@@ -121,11 +121,15 @@ def _scan_kernel(z_ptr, c_ptr, b_ptr, pw_ptr, x0_ptr, xb_ptr, xf_ptr, db_ptr, df
     if INTERPRET:
         ic = 0
         while ic < NC:
-            xr, xi, dr, di = _scan_step(ic, xr, xi, dr, di, cbr, cbi, z_ptr, c_ptr, pw, xb_ptr, db_ptr, i_b, i_h, i_bh, om, od, oc, mm, md, mmd, st, T, NC, H, D, M, C, PB, COEF, DERIV, REV, INIT_SHIFT, PREC)
+            xr, xi, dr, di = _scan_step(ic, xr, xi, dr, di, cbr, cbi, z_ptr, c_ptr, pw, xb_ptr, db_ptr, i_b, i_h, i_bh,
+                                        om, od, oc, mm, md, mmd, st, T, NC, H, D, M, C, PB, COEF, DERIV, REV,
+                                        INIT_SHIFT, PREC)
             ic += 1
     else:
         for ic in range(NC):
-            xr, xi, dr, di = _scan_step(ic, xr, xi, dr, di, cbr, cbi, z_ptr, c_ptr, pw, xb_ptr, db_ptr, i_b, i_h, i_bh, om, od, oc, mm, md, mmd, st, T, NC, H, D, M, C, PB, COEF, DERIV, REV, INIT_SHIFT, PREC)
+            xr, xi, dr, di = _scan_step(ic, xr, xi, dr, di, cbr, cbi, z_ptr, c_ptr, pw, xb_ptr, db_ptr, i_b, i_h, i_bh,
+                                        om, od, oc, mm, md, mmd, st, T, NC, H, D, M, C, PB, COEF, DERIV, REV,
+                                        INIT_SHIFT, PREC)
     pf = xf_ptr + i_bh * 2 * M * D
     tl.store(pf + st, xr, mask=mmd)
     tl.store(pf + M * D + st, xi, mask=mmd)
@@ -138,13 +142,13 @@ def _scan_kernel(z_ptr, c_ptr, b_ptr, pw_ptr, x0_ptr, xb_ptr, xf_ptr, db_ptr, df
 @triton.jit
 def _readout_a_kernel(x_ptr, z_ptr, xb_ptr, db_ptr, x0_ptr, b_ptr, pw_ptr, cpw_ptr, rr_ptr, cr_ptr, rrd_ptr, crd_ptr,
                       y_ptr, yb_ptr, yl_ptr, pa_ptr, part_ptr, T, NC,
-                      H: tl.constexpr, D: tl.constexpr, M: tl.constexpr, C: tl.constexpr, S: tl.constexpr,
+                      H, D, M, C: tl.constexpr, S: tl.constexpr,
                       BM: tl.constexpr, BD: tl.constexpr, PB: tl.constexpr, HAS_INIT: tl.constexpr,
                       DERIV: tl.constexpr, PARTNER: tl.constexpr, PREC: tl.constexpr):
     # PARTNER: yb_ptr / yl_ptr hold the other path's (a, a_hat, a_ell) = (y, yb, yl) of y_ptr's layout; instead of
     # storing this path's a_hat and a_ell, accumulate sum_t y conj(partner_hat) + partner conj(y_hat) (db) and the
     # same with the log-lambda derivatives into part_ptr [B*H, NC, 4, M]
-    ic, i_m, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    ic, i_m, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
     i_b, i_h = i_bh // H, i_bh % H
     NQ: tl.constexpr = S // 4
     om = i_m * BM + tl.arange(0, BM)
@@ -286,10 +290,10 @@ def _readout_a_kernel(x_ptr, z_ptr, xb_ptr, db_ptr, x0_ptr, b_ptr, pw_ptr, cpw_p
 
 @triton.jit
 def _readout_o_kernel(r_ptr, c_ptr, z_ptr, xb_ptr, b_ptr, pw_ptr, rr_ptr, cr_ptr, y_ptr, T, NC,
-                      H: tl.constexpr, D: tl.constexpr, M: tl.constexpr, C: tl.constexpr, S: tl.constexpr,
+                      H, D, M, C: tl.constexpr, S: tl.constexpr,
                       BM: tl.constexpr, BD: tl.constexpr, PB: tl.constexpr, R_CONST: tl.constexpr,
                       C_CONST: tl.constexpr, REV: tl.constexpr, INIT_SHIFT: tl.constexpr, PREC: tl.constexpr):
-    ic, i_d, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    ic, i_d, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
     i_b, i_h = i_bh // H, i_bh % H
     NQ: tl.constexpr = S // 4
     om = tl.arange(0, BM)

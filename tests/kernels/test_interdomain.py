@@ -138,8 +138,7 @@ def test_bad_inputs(over, msg):
 
 @pytest.mark.gpu
 @requires_gpu
-@pytest.mark.parametrize("T,M,normalize", [(1, 32, False), (63, 8, False), (64, 32, True), (100, 1, False),
-                                           (300, 32, False), (1000, 64, False)])
+@pytest.mark.parametrize("T,M,normalize", [(63, 8, False), (64, 32, True), (300, 32, False), (1000, 64, False)])
 def test_chunk_matches_naive_gpu_fp32(nan_empty, T, M, normalize):
     inputs = make_inputs(2, T, 3, 64, 96, M, normalize=normalize)
     compare(inputs, FP32_TOL, normalize=normalize)
@@ -147,7 +146,7 @@ def test_chunk_matches_naive_gpu_fp32(nan_empty, T, M, normalize):
 
 @pytest.mark.gpu
 @requires_gpu
-@pytest.mark.parametrize("T,M,normalize", [(63, 8, False), (100, 32, True), (300, 32, False), (1000, 64, False)])
+@pytest.mark.parametrize("T,M,normalize", [(100, 32, True), (1000, 64, False)])
 def test_chunk_matches_naive_gpu_bf16(nan_empty, T, M, normalize):
     inputs = make_inputs(2, T, 3, 128, 64, M, dtype=torch.bfloat16, normalize=normalize)
     compare(inputs, BF16_TOL, BF16_GRAD_TOL, normalize=normalize)
