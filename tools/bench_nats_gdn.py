@@ -78,6 +78,21 @@ def bench_length(T: int, fla) -> list[dict]:
     return rows
 
 
+def kernel_breakdown(T: int = 4096, frac: float = 0.25, reps: int = 5) -> None:
+    """Per-kernel CUDA time of forward+backward (torch.profiler), to show where the time goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    run = fwd_bwd_fn(chunk_selected_gdn, make_inputs(T, frac))
+    run()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            run()
+        torch.cuda.synchronize()
+    print(f"per-kernel CUDA time, T={T}, kept {frac:.0%}, {reps} fwd+bwd calls:")
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=40))
+
+
 def main():
     rows, fla = [], fla_op()
     extra = {"shape": f"B*T={TOKENS}, H={H}, K={K}, V={V}, bf16, chunk 64", "op": "kernels.nats.chunk_selected_gdn"}
@@ -85,6 +100,7 @@ def main():
         rows += bench_length(T, fla)
         path = save_results("nats-gdn", rows, extra)  # after every length, so a cut-off run still reports
     print(f"saved {path}")
+    kernel_breakdown()
     print(format_table(rows))
 
 

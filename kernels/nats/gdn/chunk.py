@@ -9,12 +9,26 @@ saved (I + A)^{-1}.
 Transposed operands are always loaded through strided pointers, never made with `tl.trans` of a `tl.dot` result:
 Triton 3.4-3.6 on Hopper miscompiles that pattern (flash-linear-attention issue 640).
 """
+import os
+
 import torch
 import triton
 import triton.language as tl
 
 BT = 64
 BC = 16
+
+
+def _tuned(key, configs):
+    """Autotune (num_warps, num_stages) on a GPU; the interpreter runs the kernel untuned (it ignores both).
+
+    Configs that exceed shared memory (fp32 inputs at high num_stages) are dropped by the autotuner.
+    """
+    def wrap(fn):
+        if os.environ.get("TRITON_INTERPRET", "0") == "1":
+            return fn
+        return triton.autotune([triton.Config({}, num_warps=w, num_stages=s) for w, s in configs], key=key)(fn)
+    return wrap
 
 
 def _pow2(n: int, lo: int = 16) -> int:
@@ -75,6 +89,7 @@ def _inv_unit_lower16(A):
     return Y + tl.where(o[:, None] == o[None, :], 1.0, 0.0)
 
 
+@_tuned(['H', 'K'], [(2, 2), (4, 2)])
 @triton.jit
 def _kkt_inv_kernel(k, g, beta, G, Ai, T, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr):
     """Chunk-local cumsum G of g and Ai = (I + A)^{-1}, A_ij = beta_i k_i.k_j e^{G_i - G_j} (i > j); grid (NT, B*H)."""
@@ -162,6 +177,7 @@ def _kkt_inv_kernel(k, g, beta, G, Ai, T, H: tl.constexpr, K: tl.constexpr, BK: 
     _st(Ai, r3, 48 + o, T, 64, s, X33)
 
 
+@_tuned(['H', 'K', 'V'], [(4, 2), (8, 2)])
 @triton.jit
 def _wu_kernel(k, v, beta, G, Ai, w, u, T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                BK: tl.constexpr, BV: tl.constexpr):
@@ -185,6 +201,7 @@ def _wu_kernel(k, v, beta, G, Ai, w, u, T, H: tl.constexpr, K: tl.constexpr, V: 
         _st(u + (bos * H + i_h) * V, r, c, T, V, H * V, tl.dot(b_A.to(b_v.dtype), b_vb))
 
 
+@_tuned(['H', 'K', 'V', 'BV'], [(4, 1), (4, 2), (8, 2)])
 @triton.jit
 def _fwd_h_kernel(k, w, u, G, keep, h, v_new, h0, ht, T, NT: tl.constexpr, H: tl.constexpr, K: tl.constexpr,
                   V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DECAY_DROPPED: tl.constexpr,
@@ -218,6 +235,7 @@ def _fwd_h_kernel(k, w, u, G, keep, h, v_new, h0, ht, T, NT: tl.constexpr, H: tl
         _st(ht + i_bh.to(tl.int64) * K * V, ck, cv, K, V, V, b_h)
 
 
+@_tuned(['H', 'K', 'V'], [(4, 2), (8, 2)])
 @triton.jit
 def _fwd_o_kernel(q, k, v_new, h, G, o, scale, T, NT, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                   BK: tl.constexpr, BV: tl.constexpr):
@@ -242,6 +260,7 @@ def _fwd_o_kernel(q, k, v_new, h, G, o, scale, T, NT, H: tl.constexpr, K: tl.con
     _st(o + (bos * H + i_h) * V, r, cv, T, V, H * V, b_o * scale)
 
 
+@_tuned(['H', 'K', 'V'], [(4, 2), (8, 2)])
 @triton.jit
 def _bwd_dv_local_kernel(q, k, G, do, dv, scale, T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                          BK: tl.constexpr, BV: tl.constexpr):
@@ -264,6 +283,7 @@ def _bwd_dv_local_kernel(q, k, G, do, dv, scale, T, H: tl.constexpr, K: tl.const
         _st(dv + (bos * H + i_h) * V, r, cv, T, V, H * V, tl.dot(b_s.to(b_do.dtype), b_do))
 
 
+@_tuned(['H', 'K', 'V', 'BV'], [(4, 1), (4, 2), (8, 1)])
 @triton.jit
 def _bwd_dh_kernel(q, k, w, G, keep, do, dv_local, dv2, dh, dh0, dht, scale, T, NT: tl.constexpr,
                    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
@@ -304,6 +324,7 @@ def _bwd_dh_kernel(q, k, w, G, keep, do, dv_local, dv2, dh, dh0, dht, scale, T, 
         _st(dh0 + i_bh.to(tl.int64) * K * V, ck, cv, K, V, V, b_dh)
 
 
+@_tuned(['H', 'K', 'V'], [(4, 2), (8, 1), (8, 2)])
 @triton.jit
 def _bwd_dqkwg_kernel(q, k, v_new, h, dh, do, dv2, G, keep, dq, dk, dw, dG, dkeep, scale, T, NT, B,
                       H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
@@ -372,6 +393,7 @@ def _bwd_dqkwg_kernel(q, k, v_new, h, dh, do, dv2, G, keep, dq, dk, dw, dG, dkee
     tl.store(dkeep + i_k * B * H * NT + i_bh.to(tl.int64) * NT + i_t, tl.sum(kd_dks, 0) + (decay - base) * hdh)
 
 
+@_tuned(['H', 'K', 'V'], [(4, 2), (8, 1), (8, 2)])
 @triton.jit
 def _bwd_wy_kernel(k, v, beta, G, Ai, dw, du, dk_in, dG_in, dk, dv, dbeta, dg, T, H: tl.constexpr,
                    K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
@@ -469,7 +491,7 @@ def _recompute_wu(k, v, beta, G, Ai):
     V = v.shape[-1]
     w, u = torch.empty_like(k), torch.empty_like(v)
     _wu_kernel[(triton.cdiv(T, BT), B * H)](k, v, beta, G, Ai, w, u, T, H=H, K=K, V=V, BK=min(64, _pow2(K)),
-                                            BV=_loop_bv(V, k.dtype), num_stages=2)
+                                            BV=_loop_bv(V, k.dtype))
     return w, u
 
 
@@ -497,7 +519,7 @@ def chunk_selected_gdn_fwd(q, k, v, g, beta, keep, scale, initial_state, output_
     o = torch.empty_like(v)
     BV = _loop_bv(V, q.dtype)
     _fwd_o_kernel[(triton.cdiv(V, BV), NT, B * H)](q, k, v_new, h, G, o, scale, T, NT, H=H, K=K, V=V,
-                                                    BK=min(64, _pow2(K)), BV=BV, num_stages=2)
+                                                    BK=min(64, _pow2(K)), BV=BV)
     return o, ht, G, Ai
 
 
@@ -511,7 +533,7 @@ def chunk_selected_gdn_bwd(q, k, v, beta, keep, G, Ai, scale, initial_state, do,
     h, v_new, _ = _fwd_h(k, w, u, G, keep, initial_state, False, decay_dropped)
     do = do.contiguous()
     dv_local = torch.empty(B, T, H, V, device=q.device, dtype=torch.float32)
-    _bwd_dv_local_kernel[(NT, B * H)](q, k, G, do, dv_local, scale, T, H=H, K=K, V=V, BK=BK, BV=BV, num_stages=2)
+    _bwd_dv_local_kernel[(NT, B * H)](q, k, G, do, dv_local, scale, T, H=H, K=K, V=V, BK=BK, BV=BV)
 
     dh = q.new_empty(B, NT, H, K, V)
     dv2 = torch.empty_like(dv_local)
@@ -527,8 +549,7 @@ def chunk_selected_gdn_bwd(q, k, v, beta, keep, G, Ai, scale, initial_state, do,
     dG = torch.empty(NK, B, T, H, device=q.device, dtype=torch.float32)
     dkeep = torch.empty(NK, B, H, NT, device=q.device, dtype=torch.float32)
     _bwd_dqkwg_kernel[(NK, NT, B * H)](q, k, v_new, h, dh, do, dv2, G, keep, dq, dk1, dw, dG, dkeep, scale, T,
-                                       NT, B, H=H, K=K, V=V, BK=BK, BV=BV, DECAY_DROPPED=decay_dropped,
-                                       num_warps=8, num_stages=2)
+                                       NT, B, H=H, K=K, V=V, BK=BK, BV=BV, DECAY_DROPPED=decay_dropped)
     dG, dkeep = dG.sum(0), dkeep.sum(0)
     if not dkeep_dropped:
         dkeep = dkeep * (keep != 0)
@@ -537,5 +558,5 @@ def chunk_selected_gdn_bwd(q, k, v, beta, keep, G, Ai, scale, initial_state, do,
     dbeta = torch.empty(B, T, H, device=q.device, dtype=beta.dtype)
     dg = torch.empty(B, T, H, device=q.device, dtype=torch.float32)
     _bwd_wy_kernel[(NT, B * H)](k, v, beta, G, Ai, dw, dv2, dk1, dG, dk, dv, dbeta, dg, T, H=H, K=K, V=V, BK=BK,
-                                BV=BV, num_warps=8, num_stages=2)
+                                BV=BV)
     return dq, dk, dv, dg, dbeta, dkeep.to(keep.dtype), dh0
