@@ -36,7 +36,7 @@ def cost_model(M, K=D, V=D, C=64):
     fwd = scan(K) + readout_a(K, False) + scan(V) + readout_o(V)
     bwd = (scan(K, True) + readout_a(K, True) + scan(V, True) + readout_a(V, True) + scan(K) + readout_o(K)
            + scan(K) + readout_o(K) + scan(V) + readout_o(V))
-    st = lambda Dz: 2 * M * Dz * 4 / C  # noqa: E731  one fp32 chunk-boundary state set, per token
+    st = lambda Dz: 2 * M * Dz * 2 / C  # noqa: E731  one bf16 chunk-boundary state set, per token
     per_tok = 8 * M  # one fp32 complex [T, M] coefficient tensor
     fwd_b = (2 * K + st(K)) + (4 * K + st(K) + per_tok) + (2 * V + st(V)) + (2 * V + st(V) + per_tok * V // 64 + 2 * V)
     bwd_b = ((2 * K + 2 * st(K)) + (4 * K + 2 * st(K) + 3 * per_tok) + (2 * V + 2 * st(V))
