@@ -240,6 +240,12 @@ def _typed(path: str, value, annotation):
             return None
         raise ConfigError(f"{path} must not be empty; give a value")
     base = text.replace("| None", "").strip()
+    if base == "float" and isinstance(value, str):
+        # YAML 1.1 reads 1e-3 (no dot) as a string.
+        try:
+            value = float(value)
+        except ValueError:
+            pass
     checks = {
         "int": lambda v: isinstance(v, int) and not isinstance(v, bool),
         "float": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
@@ -370,10 +376,6 @@ def _check_zero(cfg: RunConfig, ds: dict, layout, has_gpu: bool) -> None:
     zero = ds.get("zero_optimization", {})
     if stage not in (1, 2, 3):
         raise ConfigError(f"train.deepspeed_config: zero_optimization.stage={stage}; use 1, 2 or 3")
-    if stage == 3 and layout.tp > 1:
-        raise ConfigError(
-            "train.deepspeed_config: ZeRO-3 with parallel.tp > 1 is not supported; use zero1/zero2 with TP or tp=1"
-        )
     offload = any(zero.get(key, {}).get("device", "none") != "none" for key in ("offload_optimizer", "offload_param"))
     if offload and not has_gpu:
         raise ConfigError("train.deepspeed_config: CPU offload needs a GPU (on CPU everything is already in host memory); use zero1/2/3")
