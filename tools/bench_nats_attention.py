@@ -122,17 +122,18 @@ def measure(T, rows):
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--quick", action="store_true", help="T = 16K only, no sweep")
+    parser.add_argument("--quick", action="store_true", help="T = 16K only, no sweep, nothing saved")
     args = parser.parse_args()
     if not args.quick:
         tune()
     rows = []
     for T in (16384,) if args.quick else LENGTHS:
         measure(T, rows)
-        path = save_results("nats-attention", rows, {"config": str(attn.GPU_CONFIG), "tokens": TOKENS,
-                                                     "heads": H, "head_dim": D, "chunk": C})
+        if not args.quick:
+            path = save_results("nats-attention", rows, {"config": str(attn.GPU_CONFIG), "tokens": TOKENS,
+                                                         "heads": H, "head_dim": D, "chunk": C})
+            print("saved", path)
     print(format_table(rows))
-    print("saved", path)
     for r in rows:
         if r["T"] == 16384 and r["kept"] == 0.25:
             print(f"T=16K kept 25% {r['pass']}: {r['speedup_vs_sdpa']:.2f}x faster than causal SDPA (target >= 2x)")

@@ -332,9 +332,9 @@ def _interpret(q: torch.Tensor) -> bool:
 # chunks per key block in the loop over earlier kept chunks.
 # tools/bench_nats_attention.py sweeps these; the values here are its choice on an H200.
 GPU_CONFIG = {
-    "fwd": {"G": 2, "KB": 1, "num_warps": 8, "num_stages": 2},
-    "dkdv": {"num_warps": 4, "num_stages": 2},
-    "dq": {"G": 2, "KB": 1, "num_warps": 8, "num_stages": 2},
+    "fwd": {"G": 1, "KB": 1, "num_warps": 4, "num_stages": 3},
+    "dkdv": {"num_warps": 4, "num_stages": 3},
+    "dq": {"G": 1, "KB": 1, "num_warps": 4, "num_stages": 3},
 }
 # Under the interpreter only G matters; tests switch it to cover both program shapes.
 CPU_CONFIG = {"fwd": {"G": 2, "KB": 2}, "dkdv": {}, "dq": {"G": 2, "KB": 2}}
