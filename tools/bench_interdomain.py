@@ -66,6 +66,27 @@ def ours(T, M, C):
     return _measure(fwd, fb)
 
 
+def breakdown(T, M, C=64):
+    """Milliseconds of each forward kernel launch (scan U, readout_a, scan G, readout_o) and of the backward."""
+    from kernels.interdomain import chunk as ch
+
+    B = TOKENS // T
+    q, k, v = (torch.rand(B, T, H, D, device="cuda").bfloat16() for _ in range(3))
+    decay = torch.stack((-torch.rand(H, M, device="cuda") * 0.2, torch.rand(H, M, device="cuda")), -1)
+    b = torch.randn(H, M, 2, device="cuda")
+    tabs = ch.Tables(decay, T, C, rev=False)
+    ub, _ = ch.scan_fwd(k, b, tabs, C)
+    a = ch.readout_a(q, k, ub, b, tabs, C)
+    gb, _ = ch.scan_fwd(v, b, tabs, C, coef=ch.CONST_B)
+    out = {"tables": time_ms(lambda: ch.Tables(decay, T, C, rev=False)),
+           "scan": time_ms(lambda: ch.scan_fwd(k, b, tabs, C)),
+           "scan_deriv": time_ms(lambda: ch.scan_fwd(k, b, tabs, C, deriv=True)),
+           "readout_a": time_ms(lambda: ch.readout_a(q, k, ub, b, tabs, C)),
+           "readout_o": time_ms(lambda: ch.readout_o(v, gb, b, tabs, C, r=a)),
+           "bwd_total": time_ms(lambda: ch.interdomain_bwd(q, k, v, decay, b, None, None, v, None, None, C))}
+    return {k: round(x, 3) for k, x in out.items()}
+
+
 def _measure(fwd, fb):
     with torch.no_grad():
         t_f = time_ms(fwd)
@@ -131,6 +152,11 @@ def main():
         except Exception as e:  # a backend missing on this GPU must not lose the other rows
             print(f"{name} T={T} M={M} failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
         torch.cuda.empty_cache()
+    for T in (2048, 65536):
+        try:
+            print(f"breakdown ms T={T} M=32:", breakdown(T, 32), flush=True)
+        except Exception as e:
+            print(f"breakdown T={T} failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
     mm_peak, bw_peak = matmul_peak_tflops(), copy_peak_tbps()
     for M in (32, 64):
         f_f, f_fb, b_f, b_fb = cost_model(M)
