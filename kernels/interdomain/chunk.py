@@ -440,6 +440,9 @@ def scan_fwd(z, b, tabs, C, coef=ONES, c=None, x0=None, deriv=False, rev=False, 
     df = z.new_empty(B, H, 2, M, D, dtype=torch.float32) if deriv else xf
     BM = min(tabs.PB, 32)
     BD = min(_next_pow2(D), 64)
+    if B * H * triton.cdiv(D, BD) * triton.cdiv(M, BM) < 264:
+        # few (b, h) rows (long sequences): smaller tiles give the sequential chunk loop more SMs
+        BM, BD = 16, min(BD, 32)
     grid = (B * H, triton.cdiv(D, BD), triton.cdiv(M, BM))
     _scan_kernel[grid](z, c if c is not None else z, b, tabs.pw, x0 if x0 is not None else z, xb, xf, db, df,
                        T, NC, H=H, D=D, M=M, C=C, BM=BM, BD=BD, PB=tabs.PB, COEF=coef, HAS_INIT=x0 is not None,
