@@ -22,7 +22,7 @@ def train_config(run_dir: str, data_dir: str, **overrides):
     return load_config("demo", [f"{k}={v}" for k, v in base.items()])
 
 
-def _train_variants(rank, world, root, data_dir, variants):
+def _train_variants(rank, world, root, data_dir, variants, keep_groups=False):
     import os
 
     import torch.distributed as dist
@@ -38,8 +38,49 @@ def _train_variants(rank, world, root, data_dir, variants):
         losses[name] = [trainer.train_step(batches)["loss"] for _ in range(STEPS)]
         trainer.logger.close()
         dist.barrier()
-    shutdown()
+    if not keep_groups:
+        shutdown()
     return losses
+
+
+def _single_process_checks(rank, world, root, data_dir):
+    """The ZeRO variants, then a poisoned (NaN) step that must leave weights and optimizer state untouched."""
+    import os
+
+    losses = _train_variants(rank, world, root, data_dir, SINGLE, keep_groups=True)
+    nan = {stage: _nan_step_check(os.path.join(root, f"nan_{stage}"), data_dir, world, stage)
+           for stage in ("zero1", "zero3")}
+    from megahybrid.distributed import shutdown
+
+    shutdown()
+    return losses, nan
+
+
+def _nan_step_check(run_dir, data_dir, world, stage):
+    """On CPU (fp32) DeepSpeed's invalid-grad-norm check already drops the step; our AdamW flag is what drops it
+    for bf16 ZeRO-1/2, where DeepSpeed does not check. Either way the update must not happen.
+    Compares ZeRO's flat fp32 master partitions, which hold the weights under every stage."""
+    import torch
+
+    from megahybrid.train.trainer import Trainer, make_plan
+
+    cfg = train_config(run_dir, data_dir, **{"debug.nan_loss_steps": "[2]", "train.deepspeed_config": stage})
+    trainer = Trainer(make_plan(cfg, world), resume=False)
+    zero = trainer.engine.optimizer
+    flats = getattr(zero, "fp32_partitioned_groups_flat", None) or zero.single_partition_of_fp32_groups
+    masters = lambda: [p.detach().clone() for p in flats]
+    batches = iter(trainer.loader)
+    first = trainer.train_step(batches)
+    before = masters()
+    moments = [s["exp_avg"].clone() for s in trainer.optimizer.state.values()]
+    poisoned = trainer.train_step(batches)
+    unchanged = all(torch.equal(a, b) for a, b in zip(before, masters())) and len(before) > 0
+    moments_kept = all(torch.equal(m, s["exp_avg"]) for m, s in zip(moments, trainer.optimizer.state.values()))
+    after = trainer.train_step(batches)
+    changed = not all(torch.equal(a, b) for a, b in zip(before, masters()))
+    trainer.logger.close()
+    return dict(first=first, poisoned=poisoned, after=after, unchanged=unchanged, changed=changed,
+                moments_kept=moments_kept and len(moments) > 0, skipped=trainer.skipped)
 
 
 SINGLE = {"zero1": {}, "zero2": {"train.deepspeed_config": "zero2"}, "zero3": {"train.deepspeed_config": "zero3"}}
@@ -62,7 +103,11 @@ def data_dir(tmp_path_factory):
 
 @pytest.mark.dist
 def test_zero_stages_and_tp_match_single_process(data_dir, tmp_path):
-    single = run_on_ranks(_train_variants, 1, str(tmp_path / "one"), data_dir, SINGLE)[0]
+    single, nan_checks = run_on_ranks(_single_process_checks, 1, str(tmp_path / "one"), data_dir)[0]
+    for nan in nan_checks.values():
+        assert nan["poisoned"]["skip"] and nan["poisoned"]["loss"] != nan["poisoned"]["loss"], nan
+        assert nan["unchanged"] and nan["moments_kept"] and nan["skipped"] == 1, nan
+        assert not nan["after"]["skip"] and nan["after"]["loss"] < nan["first"]["loss"] and nan["changed"], nan
     reference = single["zero1"]
     assert all(x == x for x in reference) and reference[-1] < reference[0], reference
     for name, losses in single.items():
