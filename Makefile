@@ -19,7 +19,7 @@ $(STAMP): requirements-cpu.txt pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(PY) -m megahybrid.demo
+	$(PY) -m megahybrid train --config demo
 
 test: $(STAMP)
 	$(PY) -m pytest -q $(PYTEST_ARGS)

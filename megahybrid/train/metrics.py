@@ -84,7 +84,7 @@ class TrainLogger:
             self.writer.add_text(tag, text.replace("\n", "  \n"), 0)
 
     def scalars(self, step: int, values: dict[str, float]) -> None:
-        if not self.enabled:
+        if not self.enabled or not values:
             return
         if self.writer:
             for key, value in values.items():

@@ -93,6 +93,7 @@ class Trainer:
         self.flops_per_token = flops_per_token(plan.model)
         self.num_params = count_parameters(plan.model)
         self.step, self.skipped, self.consecutive_nonfinite, self.consumed_samples = 0, 0, 0, 0
+        self._interval = (0.0, 0)  # seconds and steps since the last console line
         self.ckpt = CheckpointManager(self.cfg.checkpoint_dir, self.cfg.checkpoint.keep, warn=self._warn,
                                       hooks=self._checkpoint_hook)
         self.resume_tag = self._resume() if resume else self._refuse_existing()
@@ -207,10 +208,15 @@ class Trainer:
             "perf/tokens_per_s": tokens / step_time, "perf/tflops_per_gpu": tflops,
             "perf/mfu": tflops / self.cfg.logging.peak_tflops, "time/step_s": step_time, **memory_mib(),
         }
-        if self.step % self.cfg.logging.interval == 0 or self.step == self.cfg.train.steps:
-            values.update(model_metrics(self.model))
-            self.logger.progress(self.step, values)
         self.logger.scalars(self.step, values)
+        self._interval = (self._interval[0] + step_time, self._interval[1] + 1)
+        if self.step % self.cfg.logging.interval == 0 or self.step == self.cfg.train.steps:
+            self.logger.scalars(self.step, model_metrics(self.model))
+            mean_time = self._interval[0] / self._interval[1]
+            self._interval = (0.0, 0)
+            scale = step_time / mean_time
+            self.logger.progress(self.step, {**values, "perf/tokens_per_s": values["perf/tokens_per_s"] * scale,
+                                             "perf/tflops_per_gpu": tflops * scale, "perf/mfu": values["perf/mfu"] * scale})
 
     def print_start(self) -> None:
         if not self.is_logger:
@@ -279,8 +285,8 @@ class Trainer:
                   file=sys.stderr, flush=True)
         else:
             print(f"training finished at step {self.step}: checkpoint {path}", flush=True)
-        print(f"resume: megahybrid train --config {os.path.join(self.cfg.run_dir, 'config.yaml')} "
-              f"(continues from {self.cfg.checkpoint_dir}/latest)\n"
+        print(f"resume: python -m megahybrid train --config {os.path.join(self.cfg.run_dir, 'config.yaml')} "
+              f"[train.steps=N to go further] (continues from {self.cfg.checkpoint_dir}/latest)\n"
               f"tensorboard: tensorboard --logdir {self.cfg.tensorboard_dir}", flush=True)
 
 
