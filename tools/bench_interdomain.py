@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from kernels.interdomain import chunk as ch  # noqa: E402
 from kernels.interdomain import interdomain_attention  # noqa: E402
 from tools.benchutil import format_table, matmul_peak_tflops, peak_memory_mib, save_results, time_ms  # noqa: E402
 
@@ -68,8 +69,6 @@ def ours(T, M, C):
 
 def breakdown(T, M, C=64):
     """Milliseconds of each forward kernel launch (scan U, readout_a, scan G, readout_o) and of the backward."""
-    from kernels.interdomain import chunk as ch
-
     B = TOKENS // T
     q, k, v = (torch.rand(B, T, H, D, device="cuda").bfloat16() for _ in range(3))
     decay = torch.stack((-torch.rand(H, M, device="cuda") * 0.2, torch.rand(H, M, device="cuda")), -1)
@@ -85,6 +84,15 @@ def breakdown(T, M, C=64):
            "readout_o": time_ms(lambda: ch.readout_o(v, gb, b, tabs, C, r=a)),
            "bwd_total": time_ms(lambda: ch.interdomain_bwd(q, k, v, decay, b, None, None, v, None, None, C))}
     return {k: round(x, 3) for k, x in out.items()}
+
+
+def _with_warps(warps, fn):
+    saved = dict(ch.NUM_WARPS)
+    ch.NUM_WARPS.update(warps)
+    try:
+        return fn()
+    finally:
+        ch.NUM_WARPS.update(saved)
 
 
 def _measure(fwd, fb):
@@ -134,30 +142,37 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="T in {2K, 8K} only")
     ap.add_argument("--budget-s", type=float, default=170.0, help="skip the remaining rows after this many seconds")
+    ap.add_argument("--only-ours", action="store_true", help="skip the SDPA and fla rows")
     args = ap.parse_args()
     start = time.time()
     Ts = [2048, 8192] if args.quick else [2048, 4096, 8192, 16384, 65536]
-    mine = lambda M, C: [(f"interdomain C={C}", T, M, lambda T=T: ours(T, M, C)) for T in Ts]  # noqa: E731
-    jobs = mine(32, 64)
-    jobs += [(f"sdpa-{be}", T, "-", lambda T=T, be=be: sdpa(T, be)) for be in ("flash", "cudnn") for T in Ts]
-    jobs += [("fla-gdn fwd", T, "-", lambda T=T: fla_gdn(T)) for T in Ts]
-    jobs += mine(64, 64) + mine(32, 128)
+    mine = lambda M, C, Ts=Ts: [(f"interdomain C={C}", T, M, lambda T=T: ours(T, M, C)) for T in Ts]  # noqa: E731
+    jobs = mine(32, 64) + [("breakdown", T, 32, lambda T=T: breakdown(T, 32)) for T in (2048, 65536)]
+    if not args.only_ours:
+        jobs += [(f"sdpa-{be}", T, "-", lambda T=T, be=be: sdpa(T, be)) for be in ("flash", "cudnn") for T in Ts]
+        jobs += [("fla-gdn fwd", T, "-", lambda T=T: fla_gdn(T)) for T in Ts]
+    jobs += mine(64, 64)
+    default = dict(ch.NUM_WARPS)
+    for warps in ({"scan": 4, "readout_a": 4, "readout_o": 4}, {"scan": 8, "readout_a": 8, "readout_o": 8}):
+        jobs.append((f"interdomain C=64 warps={warps['scan']}/{warps['readout_a']}/{warps['readout_o']}", 8192, 32,
+                     lambda w=warps: _with_warps(w, lambda: ours(8192, 32, 64))))
+    jobs += mine(32, 128, [2048, 8192, 65536])
     rows = []
     for name, T, M, fn in jobs:
         if time.time() - start > args.budget_s:
             print(f"skipped {name} T={T} M={M}: over the time budget", flush=True)
             continue
         try:
-            rows.append(row(name, T, M, fn()))
+            res = fn()
+            if name == "breakdown":
+                print(f"breakdown ms T={T} M={M}:", res, flush=True)
+                continue
+            rows.append(row(name, T, M, res))
             print(format_table(rows[-1:]), flush=True)
         except Exception as e:  # a backend missing on this GPU must not lose the other rows
-            print(f"{name} T={T} M={M} failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
+            print(f"{name} T={T} M={M} failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
         torch.cuda.empty_cache()
-    for T in (2048, 65536):
-        try:
-            print(f"breakdown ms T={T} M=32:", breakdown(T, 32), flush=True)
-        except Exception as e:
-            print(f"breakdown T={T} failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
+    ch.NUM_WARPS.update(default)
     mm_peak, bw_peak = matmul_peak_tflops(), copy_peak_tbps()
     for M in (32, 64):
         f_f, f_fb, b_f, b_fb = cost_model(M)
@@ -169,7 +184,8 @@ def main():
                      "peak_MiB": float("nan"), "kflop_fwd": f_f / 1e3, "kflop_fb": f_fb / 1e3,
                      "kB_fwd": b_f / 1e3, "kB_fb": b_fb / 1e3})
     model = {f"M={M}": [round(x / 1e3, 1) for x in cost_model(M)] for M in (32, 64)}
-    extra = {"cost_model_kflop_kB_per_token_head (fwd, fwd+bwd FLOP; fwd, fwd+bwd bytes)": model,
+    extra = {"num_warps of the main rows": default,
+             "cost_model_kflop_kB_per_token_head (fwd, fwd+bwd FLOP; fwd, fwd+bwd bytes)": model,
              "matmul_peak_tflops": round(mm_peak, 1), "copy_peak_tbps": round(bw_peak, 2),
              "shape": f"B*T={TOKENS}, H={H}, K=V={D}, bf16; model rows = max(FLOP, byte) floor per token-head"}
     print(format_table(rows))

@@ -17,8 +17,11 @@ SUB = 16
 QUAD = 4
 ALPHA_MIN = -20.0
 
-# coefficient kinds of the scan / readout_o kernels
+# coefficient kinds of the scan kernel (host ints; the kernels compare against the constexpr copies)
 ONES, CONST_B, PER_TOKEN = 0, 1, 2
+_CONST_B, _PER_TOKEN = tl.constexpr(CONST_B), tl.constexpr(PER_TOKEN)
+# warps per program of each kernel (tools/bench_interdomain.py measures the alternatives)
+NUM_WARPS = {"scan": 4, "readout_a": 8, "readout_o": 4}
 
 
 @triton.jit
@@ -63,9 +66,9 @@ def _scan_step(ic, xr, xi, dr, di, cbr, cbi, z_ptr, c_ptr, pw, xb_ptr, db_ptr, i
     mk = mm[:, None] & ok[None, :]
     er = tl.load(pe, mask=mk, other=0.0)
     ei = tl.load(pe + PB, mask=mk, other=0.0)
-    if COEF == CONST_B:
+    if COEF == _CONST_B:
         er, ei = _cmul(er, ei, cbr, cbi)
-    if COEF == PER_TOKEN:
+    if COEF == _PER_TOKEN:
         pc = c_ptr + row[None, :] * 2 * M + om[:, None]
         er, ei = _cmul(er, ei, tl.load(pc, mask=mk, other=0.0), tl.load(pc + M, mask=mk, other=0.0))
     ur = tl.dot(er.to(DT), zt, input_precision=PREC)
@@ -187,7 +190,7 @@ def _readout_a_kernel(x_ptr, z_ptr, xb_ptr, db_ptr, x0_ptr, b_ptr, pw_ptr, cpw_p
     sbi = tl.zeros([BM], dtype=tl.float32)
     slr = tl.zeros([BM], dtype=tl.float32)
     sli = tl.zeros([BM], dtype=tl.float32)
-    for s in tl.static_range(C // S):
+    for s in range(C // S):
         t0 = ic * C + s * S
         if t0 < T:
             t = t0 + os
@@ -265,7 +268,7 @@ def _readout_a_kernel(x_ptr, z_ptr, xb_ptr, db_ptr, x0_ptr, b_ptr, pw_ptr, cpw_p
                 tl.store(yb_ptr + out + M, yi, mask=mo)
                 tl.store(yl_ptr + out, lr_, mask=mo)
                 tl.store(yl_ptr + out + M, li_, mask=mo)
-            if s < C // S - 1:
+            if s < C // S - 1:  # no state update after the chunk's last sub-block
                 pq = pw + (S - 1 - os)[:, None] * 2 * PB + om[None, :]
                 ur = tl.load(pq)
                 ui = tl.load(pq + PB)
@@ -273,10 +276,10 @@ def _readout_a_kernel(x_ptr, z_ptr, xb_ptr, db_ptr, x0_ptr, b_ptr, pw_ptr, cpw_p
                 si = tl.load(pw + S * 2 * PB + PB + om)[None, :]
                 if DERIV:
                     w = (S - 1 - os).to(tl.float32)[:, None]
-                    gr, gi = _cmul(sr, si, dr, di)
-                    hr, hi = _cmul(sr, si, xr, xi)
-                    dr = gr + S * hr + tl.dot(zt, (w * ur).to(DT), input_precision=PREC)
-                    di = gi + S * hi + tl.dot(zt, (w * ui).to(DT), input_precision=PREC)
+                    sdr, sdi = _cmul(sr, si, dr, di)
+                    sxr, sxi = _cmul(sr, si, xr, xi)
+                    dr = sdr + S * sxr + tl.dot(zt, (w * ur).to(DT), input_precision=PREC)
+                    di = sdi + S * sxi + tl.dot(zt, (w * ui).to(DT), input_precision=PREC)
                 xr, xi = _cmul(sr, si, xr, xi)
                 xr += tl.dot(zt, ur.to(DT), input_precision=PREC)
                 xi += tl.dot(zt, ui.to(DT), input_precision=PREC)
@@ -317,12 +320,9 @@ def _readout_o_kernel(r_ptr, c_ptr, z_ptr, xb_ptr, b_ptr, pw_ptr, rr_ptr, cr_ptr
     sh = 0
     if INIT_SHIFT:
         sh = (ic == 0).to(tl.int32)
-    for s in tl.static_range(C // S):
+    for s in range(C // S):
         t0 = ic * C + s * S
-        if s == 0:
-            n0 = 1 - sh
-        else:
-            n0 = 1
+        n0 = 1 - sh * (s == 0)
         ln_r = tl.load(pw + n0 * 2 * PB + tab)
         ln_i = tl.load(pw + n0 * 2 * PB + PB + tab)
         if t0 < T:
@@ -369,7 +369,7 @@ def _readout_o_kernel(r_ptr, c_ptr, z_ptr, xb_ptr, b_ptr, pw_ptr, rr_ptr, cr_ptr
             acc += tl.dot(w.to(DT), zs, input_precision=PREC)
             tl.store(y_ptr + row[:, None] * D + od[None, :], acc.to(y_ptr.dtype.element_ty),
                      mask=ok[:, None] & md[None, :])
-            if s < C // S - 1:
+            if s < C // S - 1:  # no state update after the chunk's last sub-block
                 pq = pw + (S - 1 - os)[None, :] * 2 * PB + om[:, None]
                 er, ei = _cmul(tl.load(pq), tl.load(pq + PB), ctr, cti)
                 sr = tl.load(pw + (S - 1 + n0) * 2 * PB + om)[:, None]
@@ -447,7 +447,7 @@ def scan_fwd(z, b, tabs, C, coef=ONES, c=None, x0=None, deriv=False, rev=False, 
     _scan_kernel[grid](z, c if c is not None else z, b, tabs.pw, x0 if x0 is not None else z, xb, xf, db, df,
                        T, NC, H=H, D=D, M=M, C=C, BM=BM, BD=BD, PB=tabs.PB, COEF=coef, HAS_INIT=x0 is not None,
                        DERIV=deriv, REV=rev, INIT_SHIFT=init_shift, PREC=_prec(z),
-                       INTERPRET=_interpret())
+                       INTERPRET=_interpret(), num_warps=NUM_WARPS["scan"])
     return (xb, xf, db, df) if deriv else (xb, xf)
 
 
@@ -475,7 +475,7 @@ def readout_a(x, z, xb, b, tabs, C, x0=None, db=None, partner=None):
                             tabs.rowR, tabs.colR, tabs.rowRd, tabs.colRd, y, yb, yl, pa, part, T, NC,
                             H=H, D=D, M=M, C=C, S=SUB, BM=BM, BD=_next_pow2(D), PB=tabs.PB,
                             HAS_INIT=x0 is not None, DERIV=deriv, PARTNER=partner is not None, PREC=_prec(x),
-                            num_warps=4)
+                            num_warps=NUM_WARPS["readout_a"])
     if partner is not None:
         return y, part
     return (y, yb, yl) if deriv else y
@@ -494,7 +494,7 @@ def readout_o(z, xb, b, tabs, C, r=None, c=None, rev=False, out_dtype=None, init
     _readout_o_kernel[grid](r if r is not None else z, c if c is not None else z, z, xb, b, tabs.pw, tabs.rowR,
                             tabs.colR, y, T, NC, H=H, D=D, M=M, C=C, S=SUB, BM=tabs.PB, BD=BD, PB=tabs.PB,
                             R_CONST=r is None, C_CONST=c is None, REV=rev, INIT_SHIFT=init_shift, PREC=_prec(z),
-                            num_warps=4)
+                            num_warps=NUM_WARPS["readout_o"])
     return y
 
 

@@ -136,19 +136,20 @@ def test_bad_inputs(over, msg):
         interdomain_attention(**_bad(**over))
 
 
+# GPU cases share K, V and M with each other and with the benchmark so that few kernel variants compile
 @pytest.mark.gpu
 @requires_gpu
-@pytest.mark.parametrize("T,M,normalize", [(63, 8, False), (64, 32, True), (300, 32, False), (1000, 64, False)])
-def test_chunk_matches_naive_gpu_fp32(nan_empty, T, M, normalize):
-    inputs = make_inputs(2, T, 3, 64, 96, M, normalize=normalize)
+@pytest.mark.parametrize("T,normalize", [(300, False), (64, True)])
+def test_chunk_matches_naive_gpu_fp32(nan_empty, T, normalize):
+    inputs = make_inputs(2, T, 3, 64, 95 if normalize else 96, 32, normalize=normalize)
     compare(inputs, FP32_TOL, normalize=normalize)
 
 
 @pytest.mark.gpu
 @requires_gpu
-@pytest.mark.parametrize("T,M,normalize", [(100, 32, True), (1000, 64, False)])
+@pytest.mark.parametrize("T,M,normalize", [(300, 32, False), (100, 32, True), (1000, 64, False)])
 def test_chunk_matches_naive_gpu_bf16(nan_empty, T, M, normalize):
-    inputs = make_inputs(2, T, 3, 128, 64, M, dtype=torch.bfloat16, normalize=normalize)
+    inputs = make_inputs(2, T, 3, 128, 127 if normalize else 128, M, dtype=torch.bfloat16, normalize=normalize)
     compare(inputs, BF16_TOL, BF16_GRAD_TOL, normalize=normalize)
 
 
