@@ -61,7 +61,8 @@ def test_program_shapes(G, KB, nan_empty, monkeypatch):
     block (a partial last group) in the forward and dQ kernels."""
     cfg = {"fwd": {"G": G, "KB": KB}, "dkdv": {}, "dq": {"G": G, "KB": KB}}
     monkeypatch.setattr(attention_chunk, "CPU_CONFIG", cfg)
-    monkeypatch.setattr(attention_chunk, "GPU_CONFIG", {**attention_chunk.GPU_CONFIG, "fwd": cfg["fwd"], "dq": cfg["dq"]})
+    gpu_cfg = {**attention_chunk.GPU_CONFIG, "fwd": cfg["fwd"], "dq": cfg["dq"]}
+    monkeypatch.setattr(attention_chunk, "GPU_CONFIG", gpu_cfg)
     q, k, v, keep, do = make_inputs(1, 640, 2, 16, C=32, seed=10 + G)
     check_against_naive(q, k, v, keep, do, TOL_FP32, chunk_size=32)
 
