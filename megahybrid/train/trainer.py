@@ -301,10 +301,8 @@ def train(cfg: RunConfig, resume: bool = True) -> int:
     from megahybrid.distributed import shutdown
 
     plan = make_plan(cfg, int(os.environ.get("WORLD_SIZE", "1")))
-    trainer = None
     try:
-        trainer = Trainer(plan, resume=resume)
-        return trainer.run()
+        return Trainer(plan, resume=resume).run()
     finally:
         shutdown()
 
