@@ -1,0 +1,59 @@
+"""All mixer-op benchmarks in one GPU call, then the NAtS-L layer-level target from their results.
+
+Runs tools/bench_interdomain.py, bench_nats_gdn.py and bench_nats_attention.py in turn (each writes
+tools/results/<op>-<date>.{json,md}), then reads the NAtS results and reports, at T = 4K with 25 % attention
+chunks, (selected GDN + selected attention) fwd+bwd over GDN alone (our selected GDN with 0 % kept chunks,
+since fla's gated backward is refused on Hopper with Triton 3.6).
+
+    python tools/bench_mixers.py [--ops interdomain nats-gdn nats-attention] [--summary-only]
+"""
+import argparse
+import datetime
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+TOOLS = Path(__file__).resolve().parent
+SCRIPTS = {
+    "interdomain": "bench_interdomain.py",
+    "nats-gdn": "bench_nats_gdn.py",
+    "nats-attention": "bench_nats_attention.py",
+}
+NATS_TARGET = 1.4  # issue 4: both ops fwd+bwd <= 1.4x GDN alone at T = 4K, 25 % attention chunks
+
+
+def latest_rows(name: str) -> list[dict]:
+    files = sorted(p for p in (TOOLS / "results").glob(f"{name}-20*.json") if p.stem[len(name) + 1:].count("-") == 2)
+    if not files:
+        raise SystemExit(f"no results for {name} in tools/results; run without --summary-only on a GPU")
+    return json.loads(files[-1].read_text())["rows"]
+
+
+def nats_summary(T: int = 4096, kept: float = 0.25) -> dict:
+    gdn = {(r["T"], r["kept_%"]): r["fwd_bwd_ms"] for r in latest_rows("nats-gdn")}
+    attn = {(r["T"], r["kept"]): r["ours_ms"] for r in latest_rows("nats-attention") if r["pass"] == "fwd+bwd"}
+    both = gdn[(T, round(kept * 100))] + attn[(T, kept)]
+    alone = gdn[(T, 0)]
+    return {"T": T, "kept": kept, "gdn_ms": gdn[(T, round(kept * 100))], "attention_ms": attn[(T, kept)],
+            "gdn_alone_ms": alone, "ratio": both / alone, "target": NATS_TARGET, "met": both / alone <= NATS_TARGET}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--ops", nargs="+", choices=sorted(SCRIPTS), default=list(SCRIPTS))
+    parser.add_argument("--summary-only", action="store_true", help="only read tools/results and report")
+    args = parser.parse_args()
+    if not args.summary_only:
+        for op in args.ops:
+            print(f"== {op} ({datetime.datetime.now():%H:%M:%S})", flush=True)
+            subprocess.run([sys.executable, str(TOOLS / SCRIPTS[op])], check=True)
+    summary = nats_summary()
+    print("NAtS-L ops at T=4K, 25% attention chunks, fwd+bwd: "
+          f"GDN {summary['gdn_ms']:.2f} ms + attention {summary['attention_ms']:.2f} ms = "
+          f"{summary['ratio']:.2f}x GDN alone ({summary['gdn_alone_ms']:.2f} ms); target <= {NATS_TARGET}: "
+          f"{'met' if summary['met'] else 'NOT met'}")
+
+
+if __name__ == "__main__":
+    main()
