@@ -21,6 +21,7 @@ SCRIPTS = {
     "nats-attention": "bench_nats_attention.py",
 }
 NATS_TARGET = 1.4  # issue 4: both ops fwd+bwd <= 1.4x GDN alone at T = 4K, 25 % attention chunks
+SDPA_SPEEDUP_TARGET = 2.0  # issue 4: at T = 16K, >= 2x faster than causal SDPA (a d = 2048 layer: 16 heads x 128)
 
 
 def latest_rows(name: str) -> list[dict]:
@@ -39,6 +40,16 @@ def nats_summary(T: int = 4096, kept: float = 0.25) -> dict:
             "gdn_alone_ms": alone, "ratio": both / alone, "target": NATS_TARGET, "met": both / alone <= NATS_TARGET}
 
 
+def nats_vs_sdpa(T: int = 16384, kept: float = 0.25) -> dict:
+    """Both NAtS-L ops against the fastest causal SDPA backend of a softmax layer of the same width."""
+    gdn = {(r["T"], r["kept_%"]): r["fwd_bwd_ms"] for r in latest_rows("nats-gdn")}
+    attn = {(r["T"], r["kept"]): r["ours_ms"] for r in latest_rows("nats-attention") if r["pass"] == "fwd+bwd"}
+    sdpa = min(r["fwdbwd_ms"] for r in latest_rows("interdomain-baselines") if r["op"].startswith("sdpa")
+               and r["T"] == T)
+    both = gdn[(T, round(kept * 100))] + attn[(T, kept)]
+    return {"both_ms": both, "sdpa_ms": sdpa, "speedup": sdpa / both, "met": sdpa / both >= SDPA_SPEEDUP_TARGET}
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ops", nargs="+", choices=sorted(SCRIPTS), default=list(SCRIPTS))
@@ -53,6 +64,10 @@ def main():
           f"GDN {summary['gdn_ms']:.2f} ms + attention {summary['attention_ms']:.2f} ms = "
           f"{summary['ratio']:.2f}x GDN alone ({summary['gdn_alone_ms']:.2f} ms); target <= {NATS_TARGET}: "
           f"{'met' if summary['met'] else 'NOT met'}")
+    vs = nats_vs_sdpa()
+    print(f"NAtS-L ops at T=16K, 25%: {vs['both_ms']:.2f} ms vs causal SDPA 16x128 (fastest backend) "
+          f"{vs['sdpa_ms']:.2f} ms = {vs['speedup']:.2f}x; target >= {SDPA_SPEEDUP_TARGET}: "
+          f"{'met' if vs['met'] else 'NOT met'}")
 
 
 if __name__ == "__main__":
