@@ -163,7 +163,7 @@ class Trainer:
             if micro < self.gas - 1:
                 self.engine.step()
         flags = torch.tensor([loss_sum.item(), float(not math.isfinite(loss_sum.item())), float(self.stop.requested)],
-                             dtype=torch.float64)
+                             dtype=torch.float64, device=self.engine.device)
         dist.all_reduce(flags)
         skip = flags[1].item() > 0
         self.optimizer.skipping = skip
@@ -194,6 +194,7 @@ class Trainer:
             total += self._loss(batch).double().cpu()
             count += 1
         self.engine.train()
+        total = total.to(self.engine.device)
         dist.all_reduce(total)
         loss = total.item() / max(1, count * dist.get_world_size())
         return {"valid/loss": loss, "valid/perplexity": math.exp(min(loss, 700.0))}
