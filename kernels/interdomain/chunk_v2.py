@@ -1,0 +1,527 @@
+"""Chunkwise Interdomain Attention in Triton, version 2: chunk-wide products (see README.md, "v2").
+
+Per (chunk of C tokens, batch row, head) every product is [C, .]-shaped. Intra-chunk decays are never factored:
+sums of the form sum_{s<=t} A[t, s] lam^(t-s) are taken over the lag n = t - s, whose coefficient lam^n (n >= 0)
+is exact in range, by shearing the [C, C] matrix with tl.gather (D[t, n] = A[t, t - n]) and multiplying by the
+[C, 2M] table of lam^n; the o-side builds W'[t, n] = sum_m Re(a_t conj(b lam^n)) as a product and shears it back
+(W[t, s] = W'[t, t - s]). Kernels:
+  _powers_kernel   lam^n, n = 0..C, per head (fp64 math, fp32 table): the only decay table, built on the device
+  _scan_kernel     chunk-boundary states of X_t = lam X_{t-1} + c_t z_t (forward), or of the adjoint in reverse
+  _fwd_kernel      o from (q, k, U_c) and (v, Gamma_c)
+  _bwd_a_kernel    a and da per token, plus the intra-chunk parts of d(log lam) and db
+  _bwd_main_kernel dq, dk, dv, plus the state parts of d(log lam) and db
+"""
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _cmul(ar, ai, br, bi):
+    return ar * br - ai * bi, ar * bi + ai * br
+
+
+@triton.jit
+def _pow(pw, n, om, mm, M):
+    """lam^n (re, im) from one head's [C + 1, 2, M] table; n and om broadcast against each other."""
+    p = pw + n * 2 * M + om
+    return tl.load(p, mask=mm, other=0.0), tl.load(p + M, mask=mm, other=0.0)
+
+
+@triton.jit
+def _lower(oc):
+    """Causal mask (col <= row) and the shear index row - col (0 above the diagonal)."""
+    low = oc[None, :] <= oc[:, None]
+    return low, tl.where(low, oc[:, None] - oc[None, :], 0)
+
+
+@triton.jit
+def _upper(oc):
+    """Anti-causal mask (col >= row) and the shear index col - row (0 below the diagonal)."""
+    up = oc[None, :] >= oc[:, None]
+    return up, tl.where(up, oc[None, :] - oc[:, None], 0)
+
+
+@triton.jit
+def _powers_kernel(decay_ptr, pw_ptr, M, C: tl.constexpr, NP: tl.constexpr, BM: tl.constexpr):
+    i_h = tl.program_id(0)
+    n = tl.arange(0, NP)
+    om = tl.arange(0, BM)
+    mm = om < M
+    al = tl.load(decay_ptr + (i_h * M + om) * 2, mask=mm, other=0.0).to(tl.float64)
+    th = tl.load(decay_ptr + (i_h * M + om) * 2 + 1, mask=mm, other=0.0).to(tl.float64)
+    nf = n.to(tl.float64)[:, None]
+    mag = tl.exp(nf * al[None, :])
+    p = pw_ptr + i_h * (C + 1) * 2 * M + n[:, None] * 2 * M + om[None, :]
+    mk = (n[:, None] <= C) & mm[None, :]
+    tl.store(p, (mag * tl.cos(nf * th[None, :])).to(tl.float32), mask=mk)
+    tl.store(p + M, (mag * tl.sin(nf * th[None, :])).to(tl.float32), mask=mk)
+
+
+@triton.jit
+def _scan_step(it, xr, xi, cbr, cbi, z_ptr, c_ptr, pw, xb_ptr, i_b, i_h, i_bh, om, od, oc, mm, md, T, NC, H, D, M,
+               C: tl.constexpr, PER_TOKEN: tl.constexpr, REV: tl.constexpr, PREC: tl.constexpr):
+    DT = z_ptr.dtype.element_ty
+    if REV:
+        ic = NC - 1 - it
+    else:
+        ic = it
+    st = om[:, None] * D + od[None, :]
+    mmd = mm[:, None] & md[None, :]
+    pb = xb_ptr + (i_bh * NC + ic) * 2 * M * D
+    tl.store(pb + st, xr.to(xb_ptr.dtype.element_ty), mask=mmd)
+    tl.store(pb + M * D + st, xi.to(xb_ptr.dtype.element_ty), mask=mmd)
+    L = tl.minimum(T - ic * C, C)
+    ok = oc < L
+    row = (i_b * T + ic * C + oc) * H + i_h
+    zt = tl.load(z_ptr + row[:, None] * D + od[None, :], mask=ok[:, None] & md[None, :], other=0.0).to(DT)
+    if REV:
+        e = oc + 1
+    else:
+        e = tl.maximum(L - 1 - oc, 0)
+    mk = mm[:, None] & ok[None, :]
+    er, ei = _pow(pw, tl.minimum(e, C)[None, :], om[:, None], mk, M)
+    if REV:
+        ei = -ei
+    if PER_TOKEN:
+        pc = c_ptr + row[None, :] * 2 * M + om[:, None]
+        cr = tl.load(pc, mask=mk, other=0.0).to(tl.float32)
+        ci = tl.load(pc + M, mask=mk, other=0.0).to(tl.float32)
+        er, ei = _cmul(er, ei, cr, ci)
+    else:
+        er, ei = _cmul(er, ei, cbr, cbi)
+    lr, li = _pow(pw, L, om, mm, M)
+    if REV:
+        li = -li
+    xr, xi = _cmul(lr[:, None], li[:, None], xr, xi)
+    xr += tl.dot(er.to(DT), zt, input_precision=PREC)
+    xi += tl.dot(ei.to(DT), zt, input_precision=PREC)
+    return xr, xi
+
+
+@triton.jit
+def _scan_kernel(z_ptr, c_ptr, b_ptr, pw_ptr, x0_ptr, xb_ptr, xf_ptr, T, NC, H, D, M, C: tl.constexpr,
+                 BM: tl.constexpr, BD: tl.constexpr, PER_TOKEN: tl.constexpr, HAS_INIT: tl.constexpr,
+                 REV: tl.constexpr, PREC: tl.constexpr, INTERPRET: tl.constexpr):
+    i_bh, i_d, i_m = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
+    i_b, i_h = i_bh // H, i_bh % H
+    om = i_m * BM + tl.arange(0, BM)
+    od = i_d * BD + tl.arange(0, BD)
+    oc = tl.arange(0, C)
+    mm, md = om < M, od < D
+    mmd = mm[:, None] & md[None, :]
+    st = om[:, None] * D + od[None, :]
+    pw = pw_ptr + i_h * (C + 1) * 2 * M
+    xr = tl.zeros([BM, BD], dtype=tl.float32)
+    xi = tl.zeros([BM, BD], dtype=tl.float32)
+    if HAS_INIT:
+        p0 = x0_ptr + i_bh * 2 * M * D
+        xr = tl.load(p0 + st, mask=mmd, other=0.0)
+        xi = tl.load(p0 + M * D + st, mask=mmd, other=0.0)
+    cbr = tl.load(b_ptr + (i_h * M + om) * 2, mask=mm, other=0.0)[:, None]
+    cbi = tl.load(b_ptr + (i_h * M + om) * 2 + 1, mask=mm, other=0.0)[:, None]
+    # the interpreter (numpy >= 2.4) cannot take a runtime range() bound; compiled code keeps the for loop
+    if INTERPRET:
+        it = 0
+        while it < NC:
+            xr, xi = _scan_step(it, xr, xi, cbr, cbi, z_ptr, c_ptr, pw, xb_ptr, i_b, i_h, i_bh, om, od, oc, mm, md,
+                                T, NC, H, D, M, C, PER_TOKEN, REV, PREC)
+            it += 1
+    else:
+        for it in range(NC):
+            xr, xi = _scan_step(it, xr, xi, cbr, cbi, z_ptr, c_ptr, pw, xb_ptr, i_b, i_h, i_bh, om, od, oc, mm, md,
+                                T, NC, H, D, M, C, PER_TOKEN, REV, PREC)
+    pf = xf_ptr + i_bh * 2 * M * D
+    tl.store(pf + st, xr, mask=mmd)
+    tl.store(pf + M * D + st, xi, mask=mmd)
+
+
+@triton.jit
+def _readout_a(x_ptr, z_ptr, sb, pw, br, bi, rows, ok, oc, om, mm, M, D: tl.constexpr, C: tl.constexpr,
+               BD: tl.constexpr, BM: tl.constexpr, TRANS: tl.constexpr, PREC: tl.constexpr):
+    """a_t = sum_{s<=t in chunk} b lam^(t-s) (x_t . z_s) + lam^(j+1) (x_t . S[m]) with S the chunk-start state.
+
+    Returns (a re, a im, inter re, inter im, Z X^T) as [C, BM] / [C, C] fp32 (Z X^T only with TRANS)."""
+    DT = x_ptr.dtype.element_ty
+    att = tl.zeros([C, C], dtype=tl.float32)
+    att_t = tl.zeros([C, C], dtype=tl.float32)
+    pr = tl.zeros([C, BM], dtype=tl.float32)
+    pi = tl.zeros([C, BM], dtype=tl.float32)
+    for d0 in tl.static_range(0, D, BD):
+        od = d0 + tl.arange(0, BD)
+        md = od < D
+        mrow = ok[:, None] & md[None, :]
+        mcol = md[:, None] & ok[None, :]
+        xt = tl.load(x_ptr + rows[:, None] * D + od[None, :], mask=mrow, other=0.0).to(DT)
+        zc = tl.load(z_ptr + rows[None, :] * D + od[:, None], mask=mcol, other=0.0).to(DT)
+        att += tl.dot(xt, zc, input_precision=PREC)
+        if TRANS:
+            zt = tl.load(z_ptr + rows[:, None] * D + od[None, :], mask=mrow, other=0.0).to(DT)
+            xc = tl.load(x_ptr + rows[None, :] * D + od[:, None], mask=mcol, other=0.0).to(DT)
+            att_t += tl.dot(zt, xc, input_precision=PREC)
+        ps = sb + om[None, :] * D + od[:, None]
+        ms = md[:, None] & mm[None, :]
+        pr += tl.dot(xt, tl.load(ps, mask=ms, other=0.0).to(DT), input_precision=PREC)
+        pi += tl.dot(xt, tl.load(ps + M * D, mask=ms, other=0.0).to(DT), input_precision=PREC)
+    low, gidx = _lower(oc)
+    sheared = tl.where(low, tl.gather(att, gidx, 1), 0.0).to(DT)  # [t, n] = x_t . z_{t-n}
+    lr, li = _pow(pw, oc[:, None], om[None, :], mm[None, :], M)
+    hr = tl.dot(sheared, lr.to(DT), input_precision=PREC)
+    hi = tl.dot(sheared, li.to(DT), input_precision=PREC)
+    sr, si = _pow(pw, oc[:, None] + 1, om[None, :], mm[None, :], M)
+    pr, pi = _cmul(sr, si, pr, pi)
+    ar, ai = _cmul(br, bi, hr, hi)
+    return ar + pr, ai + pi, pr, pi, att_t
+
+
+@triton.jit
+def _w_matrix(rr, ri, ptr_, pti, oc, DT, PREC: tl.constexpr):
+    """W[t, s] = sum_m Re(r_t conj(b lam^(t-s))) for s <= t, from r [C, BM] and (b lam^n)^T [BM, C]."""
+    wp = tl.dot(rr.to(DT), ptr_.to(DT), input_precision=PREC)
+    wp += tl.dot(ri.to(DT), pti.to(DT), input_precision=PREC)
+    low, gidx = _lower(oc)
+    return tl.where(low, tl.gather(wp, gidx, 1), 0.0)
+
+
+@triton.jit
+def _w_matrix_t(pr_, pi_, rtr, rti, oc, DT, PREC: tl.constexpr):
+    """W^T[t, s] = W[s, t] for s >= t, from b lam^n [C, BM] and r^T [BM, C]."""
+    wp = tl.dot(pr_.to(DT), rtr.to(DT), input_precision=PREC)
+    wp += tl.dot(pi_.to(DT), rti.to(DT), input_precision=PREC)
+    up, gidx = _upper(oc)
+    return tl.where(up, tl.gather(wp, gidx, 0), 0.0)
+
+
+@triton.jit
+def _fwd_kernel(q_ptr, k_ptr, v_ptr, ub_ptr, gb_ptr, b_ptr, pw_ptr, o_ptr, T, NC, H, M,
+                K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
+                BV: tl.constexpr, PREC: tl.constexpr):
+    ic, i_bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    i_b, i_h = i_bh // H, i_bh % H
+    DT = q_ptr.dtype.element_ty
+    oc = tl.arange(0, C)
+    ok = ic * C + oc < T
+    rows = (i_b * T + ic * C + oc) * H + i_h
+    om = tl.arange(0, BM)
+    mm = om < M
+    pw = pw_ptr + i_h * (C + 1) * 2 * M
+    br = tl.load(b_ptr + (i_h * M + om) * 2, mask=mm, other=0.0)
+    bi = tl.load(b_ptr + (i_h * M + om) * 2 + 1, mask=mm, other=0.0)
+    ub = ub_ptr + (i_bh * NC + ic) * 2 * M * K
+    ar, ai, _, _, _ = _readout_a(q_ptr, k_ptr, ub, pw, br[None, :], bi[None, :], rows, ok, oc, om, mm, M, K, C, BK,
+                                 BM, False, PREC)
+    ptr_, pti = _pow(pw, oc[None, :], om[:, None], mm[:, None], M)
+    ptr_, pti = _cmul(br[:, None], bi[:, None], ptr_, pti)
+    w = _w_matrix(ar, ai, ptr_, pti, oc, DT, PREC).to(DT)
+    sr, si = _pow(pw, oc[:, None] + 1, om[None, :], mm[None, :], M)
+    xr, xi = _cmul(ar, ai, sr, -si)
+    xr = xr.to(DT)
+    xi = xi.to(DT)
+    gb = gb_ptr + (i_bh * NC + ic) * 2 * M * V
+    for d0 in tl.static_range(0, V, BV):
+        od = d0 + tl.arange(0, BV)
+        md = od < V
+        mrow = ok[:, None] & md[None, :]
+        pg = gb + om[:, None] * V + od[None, :]
+        mg = mm[:, None] & md[None, :]
+        acc = tl.dot(xr, tl.load(pg, mask=mg, other=0.0).to(DT), input_precision=PREC)
+        acc += tl.dot(xi, tl.load(pg + M * V, mask=mg, other=0.0).to(DT), input_precision=PREC)
+        vt = tl.load(v_ptr + rows[:, None] * V + od[None, :], mask=mrow, other=0.0).to(DT)
+        acc += tl.dot(w, vt, input_precision=PREC)
+        tl.store(o_ptr + rows[:, None] * V + od[None, :], acc.to(o_ptr.dtype.element_ty), mask=mrow)
+
+
+@triton.jit
+def _bwd_a_kernel(q_ptr, k_ptr, v_ptr, do_ptr, ub_ptr, gb_ptr, b_ptr, pw_ptr, a_ptr, da_ptr, part_ptr, T, NC, H, M,
+                  K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
+                  BV: tl.constexpr, PREC: tl.constexpr):
+    ic, i_bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    i_b, i_h = i_bh // H, i_bh % H
+    DT = q_ptr.dtype.element_ty
+    oc = tl.arange(0, C)
+    ok = ic * C + oc < T
+    rows = (i_b * T + ic * C + oc) * H + i_h
+    om = tl.arange(0, BM)
+    mm = om < M
+    pw = pw_ptr + i_h * (C + 1) * 2 * M
+    br = tl.load(b_ptr + (i_h * M + om) * 2, mask=mm, other=0.0)[None, :]
+    bi = tl.load(b_ptr + (i_h * M + om) * 2 + 1, mask=mm, other=0.0)[None, :]
+    ub = ub_ptr + (i_bh * NC + ic) * 2 * M * K
+    gb = gb_ptr + (i_bh * NC + ic) * 2 * M * V
+    ar, ai, par, pai, att_t = _readout_a(q_ptr, k_ptr, ub, pw, br, bi, rows, ok, oc, om, mm, M, K, C, BK, BM, True,
+                                         PREC)
+    gr, gi, pgr, pgi, attg_t = _readout_a(do_ptr, v_ptr, gb, pw, br, bi, rows, ok, oc, om, mm, M, V, C, BV, BM, True,
+                                          PREC)
+    out = rows[:, None] * 2 * M + om[None, :]
+    mo = ok[:, None] & mm[None, :]
+    tl.store(a_ptr + out, ar.to(a_ptr.dtype.element_ty), mask=mo)
+    tl.store(a_ptr + out + M, ai.to(a_ptr.dtype.element_ty), mask=mo)
+    tl.store(da_ptr + out, gr.to(da_ptr.dtype.element_ty), mask=mo)
+    tl.store(da_ptr + out + M, gi.to(da_ptr.dtype.element_ty), mask=mo)
+    # d(log lam), intra-chunk x inter-chunk: sum_t (j+1) [da conj(a_inter) + a conj(da_inter)]
+    wj = (oc + 1).to(tl.float32)[:, None]
+    lr = tl.sum(wj * (gr * par + gi * pai + ar * pgr + ai * pgi), 0)
+    li = tl.sum(wj * (gi * par - gr * pai + ai * pgr - ar * pgi), 0)
+    # lag sums c[n, m] = sum_s A[s, s-n] da_s + Ag[s, s-n] a_s (A = Q K^T, Ag = dO V^T) from the sheared transposes
+    up, gidx = _upper(oc)
+    sh = tl.where(up, tl.gather(att_t, gidx, 0), 0.0).to(DT)
+    shg = tl.where(up, tl.gather(attg_t, gidx, 0), 0.0).to(DT)
+    cr = tl.dot(sh, gr.to(DT), input_precision=PREC) + tl.dot(shg, ar.to(DT), input_precision=PREC)
+    ci = tl.dot(sh, gi.to(DT), input_precision=PREC) + tl.dot(shg, ai.to(DT), input_precision=PREC)
+    nr, ni = _pow(pw, oc[:, None], om[None, :], mm[None, :], M)
+    dbr = tl.sum(nr * cr + ni * ci, 0)
+    dbi = tl.sum(nr * ci - ni * cr, 0)
+    qr, qi = _cmul(br, bi, nr, ni)
+    wn = oc.to(tl.float32)[:, None]
+    lr += tl.sum(wn * (qr * cr + qi * ci), 0)
+    li += tl.sum(wn * (qr * ci - qi * cr), 0)
+    pp = part_ptr + (i_bh * NC + ic) * 4 * M + om
+    tl.store(pp, dbr, mask=mm)
+    tl.store(pp + M, dbi, mask=mm)
+    tl.store(pp + 2 * M, lr, mask=mm)
+    tl.store(pp + 3 * M, li, mask=mm)
+
+
+@triton.jit
+def _load_coef(p_ptr, rows, ok, oc, om, mm, M):
+    """Per-token complex coefficients [B, T, H, 2, M] as [C, BM] and transposed [BM, C] fp32 tiles."""
+    p = p_ptr + rows[:, None] * 2 * M + om[None, :]
+    mk = ok[:, None] & mm[None, :]
+    pt = p_ptr + rows[None, :] * 2 * M + om[:, None]
+    mt = mm[:, None] & ok[None, :]
+    return (tl.load(p, mask=mk, other=0.0).to(tl.float32), tl.load(p + M, mask=mk, other=0.0).to(tl.float32),
+            tl.load(pt, mask=mt, other=0.0).to(tl.float32), tl.load(pt + M, mask=mt, other=0.0).to(tl.float32))
+
+
+@triton.jit
+def _grad_dq(dq_ptr, k_ptr, wd, xr, xi, ub, rows, ok, om, mm, M, D: tl.constexpr, BD: tl.constexpr,
+             PREC: tl.constexpr):
+    """dq = W_da K + Re((da conj lam^(j+1)) conj U_c), tiled over the feature dim."""
+    DT = k_ptr.dtype.element_ty
+    for d0 in tl.static_range(0, D, BD):
+        od = d0 + tl.arange(0, BD)
+        md = od < D
+        mrow = ok[:, None] & md[None, :]
+        ms = mm[:, None] & md[None, :]
+        st = om[:, None] * D + od[None, :]
+        acc = tl.dot(wd, tl.load(k_ptr + rows[:, None] * D + od[None, :], mask=mrow, other=0.0).to(DT),
+                     input_precision=PREC)
+        acc += tl.dot(xr, tl.load(ub + st, mask=ms, other=0.0).to(DT), input_precision=PREC)
+        acc += tl.dot(xi, tl.load(ub + M * D + st, mask=ms, other=0.0).to(DT), input_precision=PREC)
+        tl.store(dq_ptr + rows[:, None] * D + od[None, :], acc.to(dq_ptr.dtype.element_ty), mask=mrow)
+
+
+@triton.jit
+def _grad_rev(out_ptr, x_ptr, z_ptr, wt, yr, yi, sb, ub, rows, ok, om, mm, M, D: tl.constexpr, C: tl.constexpr,
+              BD: tl.constexpr, BM: tl.constexpr, PREC: tl.constexpr):
+    """Gradient of the state's token vectors z: W^T x + Re(conj(b lam^(L-1-j)) S) with S the reverse state at the
+    chunk end, tiled over the feature dim. Also returns Z S^T [C, BM] and sum_d S conj(U_c) [BM] (re, im) for the
+    parameter gradients."""
+    DT = x_ptr.dtype.element_ty
+    zsr = tl.zeros([C, BM], dtype=tl.float32)
+    zsi = tl.zeros([C, BM], dtype=tl.float32)
+    sur = tl.zeros([BM], dtype=tl.float32)
+    sui = tl.zeros([BM], dtype=tl.float32)
+    for d0 in tl.static_range(0, D, BD):
+        od = d0 + tl.arange(0, BD)
+        md = od < D
+        mrow = ok[:, None] & md[None, :]
+        ms = mm[:, None] & md[None, :]
+        st = om[:, None] * D + od[None, :]
+        s_r = tl.load(sb + st, mask=ms, other=0.0).to(tl.float32)
+        s_i = tl.load(sb + M * D + st, mask=ms, other=0.0).to(tl.float32)
+        acc = tl.dot(wt, tl.load(x_ptr + rows[:, None] * D + od[None, :], mask=mrow, other=0.0).to(DT),
+                     input_precision=PREC)
+        acc += tl.dot(yr, s_r.to(DT), input_precision=PREC)
+        acc += tl.dot(yi, s_i.to(DT), input_precision=PREC)
+        tl.store(out_ptr + rows[:, None] * D + od[None, :], acc.to(out_ptr.dtype.element_ty), mask=mrow)
+        zt = tl.load(z_ptr + rows[:, None] * D + od[None, :], mask=mrow, other=0.0).to(DT)
+        stt = om[None, :] * D + od[:, None]
+        mst = md[:, None] & mm[None, :]
+        zsr += tl.dot(zt, tl.load(sb + stt, mask=mst, other=0.0).to(DT), input_precision=PREC)
+        zsi += tl.dot(zt, tl.load(sb + M * D + stt, mask=mst, other=0.0).to(DT), input_precision=PREC)
+        u_r = tl.load(ub + st, mask=ms, other=0.0).to(tl.float32)
+        u_i = tl.load(ub + M * D + st, mask=ms, other=0.0).to(tl.float32)
+        sur += tl.sum(s_r * u_r + s_i * u_i, 1)
+        sui += tl.sum(s_i * u_r - s_r * u_i, 1)
+    return zsr, zsi, sur, sui
+
+
+@triton.jit
+def _bwd_main_kernel(q_ptr, k_ptr, v_ptr, do_ptr, a_ptr, da_ptr, ub_ptr, gb_ptr, rub_ptr, rgb_ptr, b_ptr, pw_ptr,
+                     dq_ptr, dk_ptr, dv_ptr, part_ptr, T, NC, H, M, K: tl.constexpr, V: tl.constexpr,
+                     C: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr):
+    ic, i_bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    i_b, i_h = i_bh // H, i_bh % H
+    DT = q_ptr.dtype.element_ty
+    oc = tl.arange(0, C)
+    L = tl.minimum(T - ic * C, C)
+    ok = oc < L
+    rows = (i_b * T + ic * C + oc) * H + i_h
+    om = tl.arange(0, BM)
+    mm = om < M
+    pw = pw_ptr + i_h * (C + 1) * 2 * M
+    br = tl.load(b_ptr + (i_h * M + om) * 2, mask=mm, other=0.0)
+    bi = tl.load(b_ptr + (i_h * M + om) * 2 + 1, mask=mm, other=0.0)
+    ar, ai, atr, ati = _load_coef(a_ptr, rows, ok, oc, om, mm, M)
+    gr, gi, gtr, gti = _load_coef(da_ptr, rows, ok, oc, om, mm, M)
+    # b lam^n as [C, BM] and transposed [BM, C]
+    pr_, pi_ = _pow(pw, oc[:, None], om[None, :], mm[None, :], M)
+    pr_, pi_ = _cmul(br[None, :], bi[None, :], pr_, pi_)
+    ptr_, pti = _pow(pw, oc[None, :], om[:, None], mm[:, None], M)
+    ptr_, pti = _cmul(br[:, None], bi[:, None], ptr_, pti)
+    wd = _w_matrix(gr, gi, ptr_, pti, oc, DT, PREC).to(DT)
+    wdt = _w_matrix_t(pr_, pi_, gtr, gti, oc, DT, PREC).to(DT)
+    wt = _w_matrix_t(pr_, pi_, atr, ati, oc, DT, PREC).to(DT)
+    # inter-chunk coefficients: da conj(lam^(j+1)) against U_c; b lam^(L-1-j) against the reverse states
+    sr, si = _pow(pw, oc[:, None] + 1, om[None, :], mm[None, :], M)
+    xr, xi = _cmul(gr, gi, sr, -si)
+    er, ei = _pow(pw, tl.maximum(L - 1 - oc, 0)[:, None], om[None, :], ok[:, None] & mm[None, :], M)
+    yr, yi = _cmul(br[None, :], bi[None, :], er, ei)
+    cs = (i_bh * NC + ic) * 2 * M
+    ub = ub_ptr + cs * K
+    gb = gb_ptr + cs * V
+    _grad_dq(dq_ptr, k_ptr, wd, xr.to(DT), xi.to(DT), ub, rows, ok, om, mm, M, K, BK, PREC)
+    zsr, zsi, sur, sui = _grad_rev(dk_ptr, q_ptr, k_ptr, wdt, yr.to(DT), yi.to(DT), rub_ptr + cs * K, ub, rows, ok,
+                                   om, mm, M, K, C, BK, BM, PREC)
+    vsr, vsi, sgr, sgi = _grad_rev(dv_ptr, do_ptr, v_ptr, wt, yr.to(DT), yi.to(DT), rgb_ptr + cs * V, gb, rows, ok,
+                                   om, mm, M, V, C, BV, BM, PREC)
+    zsr += vsr
+    zsi += vsi
+    # db: sum_t conj(lam^(L-1-j)) z_t . S;  d(log lam): conj(b) sum_t (L-1-j) conj(lam^(L-1-j)) z_t . S
+    # (reverse state x intra-chunk state) + L conj(lam^L) <S, X_c> (reverse state x chunk-start state)
+    cr = er * zsr + ei * zsi
+    ci = er * zsi - ei * zsr
+    dbr = tl.sum(cr, 0)
+    dbi = tl.sum(ci, 0)
+    wl = (L - 1 - oc).to(tl.float32)[:, None]
+    hr = tl.sum(wl * cr, 0)
+    hi = tl.sum(wl * ci, 0)
+    lr = br * hr + bi * hi
+    li = br * hi - bi * hr
+    nr, ni = _pow(pw, L, om, mm, M)
+    sur += sgr
+    sui += sgi
+    lf = L.to(tl.float32)
+    lr += lf * (nr * sur + ni * sui)
+    li += lf * (nr * sui - ni * sur)
+    pp = part_ptr + (i_bh * NC + ic) * 4 * M + om
+    tl.store(pp, dbr, mask=mm)
+    tl.store(pp + M, dbi, mask=mm)
+    tl.store(pp + 2 * M, lr, mask=mm)
+    tl.store(pp + 3 * M, li, mask=mm)
+
+
+NUM_WARPS = {"scan": 4, "fwd": 4, "bwd_a": 4, "bwd_main": 4}
+
+
+def _interpret() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _pow2(n: int, lo: int = 16) -> int:
+    return max(lo, triton.next_power_of_2(n))
+
+
+def _prec(t: torch.Tensor) -> str:
+    return "ieee" if t.dtype == torch.float32 else "tf32"
+
+
+def powers(decay: torch.Tensor, C: int) -> torch.Tensor:
+    """lam^n for n = 0..C as [H, C + 1, 2, M] fp32 (re, im planes), computed on the device in fp64."""
+    H, M = decay.shape[:2]
+    pw = decay.new_empty(H, C + 1, 2, M)
+    _powers_kernel[(H,)](decay, pw, M, C=C, NP=_pow2(C + 1), BM=_pow2(M))
+    return pw
+
+
+def scan(z, b, pw, C, c=None, x0=None, rev=False):
+    """Chunk-boundary states of X_t = lam X_{t-1} + coef_t z_t (coef = b, or c [B, T, H, 2, M] per token).
+
+    rev: the adjoint S_{c-1} = conj(lam)^L S_c + sum_j conj(lam)^(j+1) c_j z_j over the same chunks, from the last
+    chunk back. Returns the states [B, H, NC, 2, M, D] in z's dtype (before each chunk in the scan's direction) and
+    the last one [B, H, 2, M, D] fp32. x0: [B, H, 2, M, D] fp32 or None."""
+    B, T, H, D = z.shape
+    M, NC = b.shape[1], triton.cdiv(T, C)
+    xb = z.new_empty(B, H, NC, 2, M, D)
+    xf = z.new_empty(B, H, 2, M, D, dtype=torch.float32)
+    BM = min(_pow2(M), 32)
+    BD = min(_pow2(D), 64)
+    if B * H * triton.cdiv(D, BD) * triton.cdiv(M, BM) < 264:
+        # few (b, h) rows (long sequences): smaller tiles give the sequential chunk loop more SMs
+        BM, BD = 16, min(BD, 32)
+    grid = (B * H, triton.cdiv(D, BD), triton.cdiv(M, BM))
+    _scan_kernel[grid](z, c if c is not None else z, b, pw, x0 if x0 is not None else z, xb, xf, T, NC, H, D, M,
+                       C=C, BM=BM, BD=BD, PER_TOKEN=c is not None, HAS_INIT=x0 is not None, REV=rev,
+                       PREC=_prec(z), INTERPRET=_interpret(), num_warps=NUM_WARPS["scan"])
+    return xb, xf
+
+
+def _sizes(q, v, b):
+    return dict(K=q.shape[-1], V=v.shape[-1], BM=_pow2(b.shape[1]), BK=min(_pow2(q.shape[-1]), 64),
+                BV=min(_pow2(v.shape[-1]), 64), PREC=_prec(q))
+
+
+def interdomain_fwd(q, k, v, decay, b, u0=None, g0=None, chunk_size=64):
+    """Forward. q, k [B, T, H, K], v [B, T, H, V]; u0/g0 [B, H, 2, M, K/V] fp32 or None.
+
+    Returns o [B, T, H, V] and the final U, G [B, H, 2, M, K/V] fp32."""
+    B, T, H, _ = q.shape
+    C, M, NC = chunk_size, b.shape[1], triton.cdiv(T, chunk_size)
+    pw = powers(decay, C)
+    ub, uf = scan(k, b, pw, C, x0=u0)
+    gb, gf = scan(v, b, pw, C, x0=g0)
+    o = torch.empty_like(v)
+    _fwd_kernel[(NC, B * H)](q, k, v, ub, gb, b, pw, o, T, NC, H, M, C=C, **_sizes(q, v, b),
+                             num_warps=NUM_WARPS["fwd"])
+    return o, uf, gf
+
+
+def interdomain_bwd(q, k, v, decay, b, u0, g0, do, duf, dgf, chunk_size=64):
+    """Backward: dq, dk, dv, ddecay, db, du0, dg0 (du0/dg0 None when there was no initial state)."""
+    B, T, H, _ = q.shape
+    C, M, NC = chunk_size, b.shape[1], triton.cdiv(T, chunk_size)
+    pw = powers(decay, C)
+    ub, _ = scan(k, b, pw, C, x0=u0)
+    gb, _ = scan(v, b, pw, C, x0=g0)
+    # a and da feed bf16 products and scan coefficients only, so a 16-bit copy of bf16 runs loses nothing
+    cdt = torch.bfloat16 if q.dtype == torch.bfloat16 else torch.float32
+    a = q.new_empty(B, T, H, 2, M, dtype=cdt)
+    da = q.new_empty(B, T, H, 2, M, dtype=cdt)
+    part_a = q.new_empty(B, H, NC, 4, M, dtype=torch.float32)
+    sizes = _sizes(q, v, b)
+    _bwd_a_kernel[(NC, B * H)](q, k, v, do, ub, gb, b, pw, a, da, part_a, T, NC, H, M, C=C, **sizes,
+                               num_warps=NUM_WARPS["bwd_a"])
+    rub, du0 = scan(q, b, pw, C, c=da, x0=duf, rev=True)
+    rgb, dg0 = scan(do, b, pw, C, c=a, x0=dgf, rev=True)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    part_m = q.new_empty(B, H, NC, 4, M, dtype=torch.float32)
+    _bwd_main_kernel[(NC, B * H)](q, k, v, do, a, da, ub, gb, rub, rgb, b, pw, dq, dk, dv, part_m, T, NC, H, M,
+                                  C=C, **sizes, num_warps=NUM_WARPS["bwd_main"])
+    sums = (part_a.double() + part_m.double()).sum((0, 2))  # [H, 4, M]
+    ddecay = torch.stack((sums[:, 2], sums[:, 3]), -1).float()
+    dbb = torch.stack((sums[:, 0], sums[:, 1]), -1).float()
+    return dq, dk, dv, ddecay, dbb, du0 if u0 is not None else None, dg0 if g0 is not None else None
+
+
+class InterdomainFunctionV2(torch.autograd.Function):
+    """Autograd wrapper: the forward keeps only the inputs; the backward recomputes the chunk states."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, decay, b, u0, g0, chunk_size):
+        o, uf, gf = interdomain_fwd(q, k, v, decay, b, u0, g0, chunk_size)
+        ctx.save_for_backward(q, k, v, decay, b, u0, g0)
+        ctx.chunk_size = chunk_size
+        return o, uf, gf
+
+    @staticmethod
+    def backward(ctx, do, duf, dgf):
+        q, k, v, decay, b, u0, g0 = ctx.saved_tensors
+        grads = interdomain_bwd(q, k, v, decay, b, u0, g0, do.contiguous(), _opt(duf), _opt(dgf), ctx.chunk_size)
+        return (*grads, None)
+
+
+def _opt(t):
+    return None if t is None else t.contiguous().float()
