@@ -77,6 +77,7 @@ class TrainSection:
     deepspeed_config: str = "zero1"
     deterministic: bool = False
     max_consecutive_nonfinite: int = 5
+    compile: bool = False  # torch.compile the model through the DeepSpeed engine (see tools/bench_train.py)
 
 
 @dataclass

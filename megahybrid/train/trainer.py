@@ -87,6 +87,8 @@ class Trainer:
         self.model = build_model(plan.model, plan.layout, plan.precision)
         self.engine, self.optimizer, self.ds_config = build_engine(
             self.model, self.cfg, self.groups, plan.ds_base, plan.precision)
+        if self.cfg.train.compile:
+            self.engine.compile()
         o = self.cfg.optimizer
         self.schedule = LRSchedule(o.lr, o.min_lr, o.warmup_steps, self.cfg.train.steps, o.schedule)
         self.gas = self.engine.gradient_accumulation_steps()
