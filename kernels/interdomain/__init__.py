@@ -2,6 +2,7 @@
 import torch
 
 from .chunk import InterdomainFunction
+from .chunk_v2 import InterdomainFunctionV2
 from .naive import EPS, interdomain_attention_naive, sign_nonzero
 from .recurrent import interdomain_recurrent, interdomain_step
 
@@ -9,10 +10,11 @@ __all__ = ["interdomain_attention", "interdomain_attention_naive", "interdomain_
            "EPS"]
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_IMPLS = {"v1": InterdomainFunction, "v2": InterdomainFunctionV2}
 
 
 def interdomain_attention(q, k, v, decay, b, initial_state=None, output_final_state=False, normalize=False,
-                          chunk_size=64):
+                          chunk_size=64, impl="v1"):
     """Interdomain Attention (see kernels/interdomain/README.md for the definition).
 
     Args:
@@ -21,10 +23,13 @@ def interdomain_attention(q, k, v, decay, b, initial_state=None, output_final_st
         initial_state: (U [B, H, M, 2, K], G [B, H, M, 2, V]) fp32, plus eta [B, H, M, 2] with `normalize`.
         normalize: divide by sum_m Re(a conj eta) + EPS * sign (sign(0) = +1).
         chunk_size: tokens per chunk (16, 32, 64 or 128); chunk-boundary states are the only states kept.
+        impl: "v1" (chunk.py, sub-block kernels) or "v2" (chunk_v2.py, chunk-wide kernels); same results.
     Returns:
         o [B, T, H, V] in v's dtype and the final state (same layout as initial_state) or None.
     """
     check_inputs(q, k, v, decay, b, initial_state, normalize, chunk_size)
+    if impl not in _IMPLS:
+        raise ValueError(f"impl must be one of {sorted(_IMPLS)}; got {impl!r}")
     B, T, H, _ = q.shape
     V = v.shape[-1]
     if normalize:
@@ -36,8 +41,8 @@ def interdomain_attention(q, k, v, decay, b, initial_state=None, output_final_st
     if initial_state is not None:
         u0 = initial_state[0].transpose(2, 3).contiguous()
         g0 = initial_state[1].transpose(2, 3).contiguous()
-    o, uf, gf = InterdomainFunction.apply(q.contiguous(), k.contiguous(), v.contiguous(), decay.contiguous(),
-                                          b.contiguous(), u0, g0, chunk_size)
+    o, uf, gf = _IMPLS[impl].apply(q.contiguous(), k.contiguous(), v.contiguous(), decay.contiguous(),
+                                   b.contiguous(), u0, g0, chunk_size)
     state = (uf.transpose(2, 3).contiguous(), gf.transpose(2, 3).contiguous()) if output_final_state else None
     if normalize:
         den = o[..., V:].float()
