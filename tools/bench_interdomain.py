@@ -2,9 +2,14 @@
 H = 16, K = V = 128, bf16, next to causal SDPA (flash, cuDNN) and fla's chunk_gated_delta_rule forward.
 
 Also prints the op's dot FLOPs and HBM bytes per token-head (model of the kernels as written) and the floor they
-give at the measured matmul and copy peaks. Usage: python tools/bench_interdomain.py [--quick]
+give at the measured matmul and copy peaks. Usage: python tools/bench_interdomain.py [--quick] [--impl v1 v2]
+(`--impl v1 v2` times chunk.py and chunk_v2.py side by side); `--compile-report` needs no GPU: it compiles every
+chunk_v2 kernel for sm_90 and prints registers, local memory, shared memory and wgmma / mma counts.
 """
 import argparse
+import os
+import re
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -14,6 +19,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from kernels.interdomain import chunk as ch  # noqa: E402
+from kernels.interdomain import chunk_v2 as ch2  # noqa: E402
 from kernels.interdomain import interdomain_attention  # noqa: E402
 from tools.benchutil import format_table, matmul_peak_tflops, peak_memory_mib, save_results, time_ms  # noqa: E402
 
@@ -46,13 +52,76 @@ def cost_model(M, K=D, V=D, C=64):
     return fwd, fwd + bwd, fwd_b, fwd_b + bwd_b
 
 
+def cost_model_v2(M, K=D, V=D, C=64):
+    """(fwd FLOPs, fwd+bwd FLOPs, fwd bytes, fwd+bwd bytes) per token and head for the kernels in chunk_v2.py.
+
+    Tensor-core FLOPs only (2 m n k per dot, per token = per chunk / C; modes padded to BM); bf16 bytes with the
+    chunk-boundary states (2 M D per chunk) and the per-token a, da (2 M each) counted once per read or write."""
+    BM = max(16, 1 << (M - 1).bit_length())
+    scan = lambda Dz: 4 * BM * Dz  # noqa: E731  [M, C] x [C, D], re and im
+    readout_a = lambda Dx, trans: (4 if trans else 2) * C * Dx + 4 * Dx * BM + 4 * C * BM  # noqa: E731
+    fwd_k = readout_a(K, False) + 4 * C * BM + 4 * BM * V + 2 * C * V
+    bwd_a = readout_a(K, True) + readout_a(V, True) + 8 * C * BM
+    bwd_main = 12 * C * BM + (2 * C * K + 4 * BM * K) + (2 * C * K + 8 * BM * K) + (2 * C * V + 8 * BM * V)
+    fwd = scan(K) + scan(V) + fwd_k
+    bwd = 2 * scan(K) + 2 * scan(V) + bwd_a + bwd_main
+    st = lambda Dz: 2 * M * Dz * 2 / C  # noqa: E731  one bf16 boundary-state set, per token
+    tok, coef = 2, 2 * M * 2  # bytes of one feature of one token; of a per-token a or da
+    scan_b = lambda Dz, per_tok: tok * Dz + st(Dz) + (coef if per_tok else 0)  # noqa: E731
+    fwd_b = scan_b(K, False) + scan_b(V, False) + tok * (2 * K + 2 * V) + st(K) + st(V)
+    bwd_a_b = tok * (2 * K + 2 * V) + st(K) + st(V) + 2 * coef
+    main_b = tok * (3 * K + 2 * V) + 4 * coef + 2 * st(K) + 3 * st(K) + 3 * st(V) + tok * (2 * K + V)
+    bwd_b = scan_b(K, False) + scan_b(V, False) + bwd_a_b + scan_b(K, True) + scan_b(V, True) + main_b
+    return fwd, fwd + bwd, fwd_b, fwd_b + bwd_b
+
+
+def compile_report(Ms=(32, 64), warps=(4, 8)):
+    """Offline sm_90 build of every chunk_v2 kernel at K = V = 128, C = 64, bf16: resource rows (no GPU needed)."""
+    import triton
+
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    fp32 = {"b_ptr", "decay_ptr", "pw_ptr", "part_ptr", "xf_ptr", "x0_ptr"}
+    rows = []
+
+    def build(name, fn, consts, nw):
+        sig = {n: "constexpr" if n in consts else ("*fp32" if n in fp32 else "*bf16") if n.endswith("_ptr")
+               else "i32" for n in fn.arg_names}
+        src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=consts)
+        k = triton.compile(src, target=triton.backends.compiler.GPUTarget("cuda", 90, 32), options={"num_warps": nw})
+        path = Path("/tmp") / f"interdomain_v2_{os.getpid()}.cubin"
+        path.write_bytes(k.asm["cubin"])
+        res = subprocess.run([cuobjdump, "-res-usage", str(path)], capture_output=True, text=True).stdout
+        path.unlink()
+        ptx = k.asm["ptx"]
+        rows.append({"kernel": name, "warps": nw, "regs": int(re.search(r"REG:(\d+)", res).group(1)),
+                     "local_B": int(re.search(r"LOCAL:(\d+)", res).group(1)), "smem_B": k.metadata.shared,
+                     "wgmma": ptx.count("wgmma.mma_async"), "mma.sync": ptx.count("mma.sync")})
+        print(format_table(rows[-1:]), flush=True)
+
+    for M in Ms:
+        common = dict(K=D, V=D, C=64, BM=max(16, 1 << (M - 1).bit_length()), BK=64, BV=64, PREC="tf32")
+        for nw in warps:
+            for name, fn in (("fwd", ch2._fwd_kernel), ("bwd_a", ch2._bwd_a_kernel),
+                             ("bwd_main", ch2._bwd_main_kernel)):
+                build(f"{name} M={M}", fn, common, nw)
+    for bm, bd in ((32, 64), (16, 32)):
+        for per_token in (False, True):
+            consts = dict(C=64, BM=bm, BD=bd, PER_TOKEN=per_token, HAS_INIT=True, REV=per_token, PREC="tf32",
+                          INTERPRET=False)
+            build(f"scan BM={bm} BD={bd} {'rev per-token' if per_token else 'fwd const-b'}", ch2._scan_kernel,
+                  consts, 4)
+    build("powers M=32", ch2._powers_kernel, dict(C=64, NP=128, BM=32), 4)
+    print(format_table(rows))
+    return rows
+
+
 def copy_peak_tbps():
     x = torch.empty(2**30, dtype=torch.uint8, device="cuda")
     y = torch.empty_like(x)
     return 2 * x.numel() / (time_ms(lambda: y.copy_(x)) * 1e-3) / 1e12
 
 
-def ours(T, M, C):
+def ours(T, M, C, impl="v1"):
     B = TOKENS // T
     g = torch.Generator(device="cuda").manual_seed(0)
     q = torch.rand(B, T, H, D, device="cuda", generator=g).bfloat16().requires_grad_()
@@ -62,7 +131,7 @@ def ours(T, M, C):
     decay.requires_grad_()
     b = torch.randn(H, M, 2, device="cuda").requires_grad_()
     do = torch.randn_like(v)
-    fwd = lambda: interdomain_attention(q, k, v, decay, b, chunk_size=C)[0]  # noqa: E731
+    fwd = lambda: interdomain_attention(q, k, v, decay, b, chunk_size=C, impl=impl)[0]  # noqa: E731
     fb = lambda: torch.autograd.backward(fwd(), do)  # noqa: E731
     return _measure(fwd, fb)
 
@@ -86,13 +155,27 @@ def breakdown(T, M, C=64):
     return {k: round(x, 3) for k, x in out.items()}
 
 
-def _with_warps(warps, fn):
-    saved = dict(ch.NUM_WARPS)
-    ch.NUM_WARPS.update(warps)
+def breakdown_v2(T, M, C=64):
+    """Milliseconds of each chunk_v2 launch: powers, one scan, the forward kernel, and the whole backward."""
+    B = TOKENS // T
+    q, k, v = (torch.rand(B, T, H, D, device="cuda").bfloat16() for _ in range(3))
+    decay = torch.stack((-torch.rand(H, M, device="cuda") * 0.2, torch.rand(H, M, device="cuda")), -1)
+    b = torch.randn(H, M, 2, device="cuda")
+    pw = ch2.powers(decay, C)
+    out = {"powers": time_ms(lambda: ch2.powers(decay, C)),
+           "scan": time_ms(lambda: ch2.scan(k, b, pw, C)),
+           "fwd_total": time_ms(lambda: ch2.interdomain_fwd(q, k, v, decay, b, chunk_size=C)),
+           "bwd_total": time_ms(lambda: ch2.interdomain_bwd(q, k, v, decay, b, None, None, v, None, None, C))}
+    return {k: round(x, 3) for k, x in out.items()}
+
+
+def _with_warps(warps, fn, table=ch.NUM_WARPS):
+    saved = dict(table)
+    table.update(warps)
     try:
         return fn()
     finally:
-        ch.NUM_WARPS.update(saved)
+        table.update(saved)
 
 
 def _measure(fwd, fb):
@@ -143,20 +226,42 @@ def main():
     ap.add_argument("--quick", action="store_true", help="T in {2K, 8K} only")
     ap.add_argument("--budget-s", type=float, default=170.0, help="skip the remaining rows after this many seconds")
     ap.add_argument("--only-ours", action="store_true", help="skip the SDPA and fla rows")
+    ap.add_argument("--impl", nargs="+", default=["v1"], choices=["v1", "v2"],
+                    help="implementations to time (v2 rows are named interdomain-v2)")
+    ap.add_argument("--compile-report", action="store_true", help="offline sm_90 resources of chunk_v2 (no GPU)")
     args = ap.parse_args()
+    if args.compile_report:
+        compile_report()
+        return
     start = time.time()
     Ts = [2048, 8192] if args.quick else [2048, 4096, 8192, 16384, 65536]
     mine = lambda M, C, Ts=Ts: [(f"interdomain C={C}", T, M, lambda T=T: ours(T, M, C)) for T in Ts]  # noqa: E731
-    jobs = mine(32, 64) + [("breakdown", T, 32, lambda T=T: breakdown(T, 32)) for T in (2048, 65536)]
+    jobs = []
+    if "v2" in args.impl:
+        # first, so that a short budget still measures the new kernels against v1's recorded rows
+        jobs += [("interdomain-v2 C=64", T, 32, lambda T=T: ours(T, 32, 64, "v2")) for T in Ts]
+        jobs += [("breakdown-v2", T, 32, lambda T=T: breakdown_v2(T, 32)) for T in (2048, 65536)]
+        for nw in (4, 8):
+            warps = {"fwd": nw, "bwd_a": nw, "bwd_main": nw}
+            jobs.append((f"interdomain-v2 C=64 warps={nw}", 8192, 32,
+                         lambda w=warps: _with_warps(w, lambda: ours(8192, 32, 64, "v2"), ch2.NUM_WARPS)))
+        for cap in (128, 168):
+            caps = {"fwd": cap, "bwd_a": cap, "bwd_main": cap}
+            jobs.append((f"interdomain-v2 C=64 maxnreg={cap}", 8192, 32,
+                         lambda c=caps: _with_warps(c, lambda: ours(8192, 32, 64, "v2"), ch2.MAXNREG)))
+        jobs += [("interdomain-v2 C=64", T, 64, lambda T=T: ours(T, 64, 64, "v2")) for T in Ts]
+    if "v1" in args.impl:
+        jobs += mine(32, 64) + [("breakdown", T, 32, lambda T=T: breakdown(T, 32)) for T in (2048, 65536)]
     if not args.only_ours:
         jobs += [(f"sdpa-{be}", T, "-", lambda T=T, be=be: sdpa(T, be)) for be in ("flash", "cudnn") for T in Ts]
         jobs += [("fla-gdn fwd", T, "-", lambda T=T: fla_gdn(T)) for T in Ts]
-    jobs += mine(64, 64)
     default = dict(ch.NUM_WARPS)
-    for warps in ({"scan": 4, "readout_a": 4, "readout_o": 4}, {"scan": 8, "readout_a": 8, "readout_o": 8}):
-        jobs.append((f"interdomain C=64 warps={warps['scan']}/{warps['readout_a']}/{warps['readout_o']}", 8192, 32,
-                     lambda w=warps: _with_warps(w, lambda: ours(8192, 32, 64))))
-    jobs += mine(32, 128, [2048, 8192, 65536])
+    if "v1" in args.impl:
+        jobs += mine(64, 64)
+        for warps in ({"scan": 4, "readout_a": 4, "readout_o": 4}, {"scan": 8, "readout_a": 8, "readout_o": 8}):
+            jobs.append((f"interdomain C=64 warps={warps['scan']}/{warps['readout_a']}/{warps['readout_o']}", 8192,
+                         32, lambda w=warps: _with_warps(w, lambda: ours(8192, 32, 64))))
+        jobs += mine(32, 128, [2048, 8192, 65536])
     rows = []
     for name, T, M, fn in jobs:
         if time.time() - start > args.budget_s:
@@ -164,7 +269,7 @@ def main():
             continue
         try:
             res = fn()
-            if name == "breakdown":
+            if name.startswith("breakdown"):
                 print(f"breakdown ms T={T} M={M}:", res, flush=True)
                 continue
             rows.append(row(name, T, M, res))
@@ -174,20 +279,26 @@ def main():
         torch.cuda.empty_cache()
     ch.NUM_WARPS.update(default)
     mm_peak, bw_peak = matmul_peak_tflops(), copy_peak_tbps()
-    for M in (32, 64):
-        f_f, f_fb, b_f, b_fb = cost_model(M)
-        th = TOKENS * H
-        floor_f = max(th * f_f / (mm_peak * 1e12), th * b_f / (bw_peak * 1e12)) * 1e3
-        floor_fb = max(th * f_fb / (mm_peak * 1e12), th * b_fb / (bw_peak * 1e12)) * 1e3
-        rows.append({"op": "model C=64", "T": "any", "M": M, "fwd_ms": floor_f, "fwdbwd_ms": floor_fb,
-                     "fwd_Mtok/s": TOKENS / floor_f / 1e3, "fwdbwd_Mtok/s": TOKENS / floor_fb / 1e3,
-                     "peak_MiB": float("nan"), "kflop_fwd": f_f / 1e3, "kflop_fb": f_fb / 1e3,
-                     "kB_fwd": b_f / 1e3, "kB_fb": b_fb / 1e3})
-    model = {f"M={M}": [round(x / 1e3, 1) for x in cost_model(M)] for M in (32, 64)}
+    models = [(impl, {"v1": cost_model, "v2": cost_model_v2}[impl]) for impl in args.impl]
+    for impl, fn in models:
+        for M in (32, 64):
+            f_f, f_fb, b_f, b_fb = fn(M)
+            th = TOKENS * H
+            floor_f = max(th * f_f / (mm_peak * 1e12), th * b_f / (bw_peak * 1e12)) * 1e3
+            floor_fb = max(th * f_fb / (mm_peak * 1e12), th * b_fb / (bw_peak * 1e12)) * 1e3
+            name = "model C=64" if impl == "v1" else "model-v2 C=64"
+            rows.append({"op": name, "T": "any", "M": M, "fwd_ms": floor_f, "fwdbwd_ms": floor_fb,
+                         "fwd_Mtok/s": TOKENS / floor_f / 1e3, "fwdbwd_Mtok/s": TOKENS / floor_fb / 1e3,
+                         "peak_MiB": float("nan"), "kflop_fwd": f_f / 1e3, "kflop_fb": f_fb / 1e3,
+                         "kB_fwd": b_f / 1e3, "kB_fb": b_fb / 1e3})
+    model = {(f"M={M}" if impl == "v1" else f"{impl} M={M}"): [round(x / 1e3, 1) for x in fn(M)]
+             for impl, fn in models for M in (32, 64)}
     extra = {"num_warps of the main rows": default,
              "cost_model_kflop_kB_per_token_head (fwd, fwd+bwd FLOP; fwd, fwd+bwd bytes)": model,
              "matmul_peak_tflops": round(mm_peak, 1), "copy_peak_tbps": round(bw_peak, 2),
              "shape": f"B*T={TOKENS}, H={H}, K=V={D}, bf16; model rows = max(FLOP, byte) floor per token-head"}
+    if "v2" in args.impl:
+        extra["num_warps of the v2 rows"] = dict(ch2.NUM_WARPS)
     print(format_table(rows))
     print(extra)
     print(save_results("interdomain", rows, extra))

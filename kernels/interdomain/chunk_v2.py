@@ -415,6 +415,16 @@ def _bwd_main_kernel(q_ptr, k_ptr, v_ptr, do_ptr, a_ptr, da_ptr, ub_ptr, gb_ptr,
 
 
 NUM_WARPS = {"scan": 4, "fwd": 4, "bwd_a": 4, "bwd_main": 4}
+# register cap per thread of the chunk kernels (None: ptxas's choice, 255 at 4 warps; offline sm_90 builds fit 128
+# without local memory, i.e. 4 programs per SM instead of 2); untimed, tools/bench_interdomain.py --impl v2 sweeps it
+MAXNREG = {"fwd": None, "bwd_a": None, "bwd_main": None}
+
+
+def _launch_opts(name: str) -> dict:
+    opts = {"num_warps": NUM_WARPS[name]}
+    if MAXNREG[name] is not None and not _interpret():
+        opts["maxnreg"] = MAXNREG[name]
+    return opts
 
 
 def _interpret() -> bool:
@@ -475,7 +485,7 @@ def interdomain_fwd(q, k, v, decay, b, u0=None, g0=None, chunk_size=64):
     gb, gf = scan(v, b, pw, C, x0=g0)
     o = torch.empty_like(v)
     _fwd_kernel[(NC, B * H)](q, k, v, ub, gb, b, pw, o, T, NC, H, M, C=C, **_sizes(q, v, b),
-                             num_warps=NUM_WARPS["fwd"])
+                             **_launch_opts("fwd"))
     return o, uf, gf
 
 
@@ -493,13 +503,13 @@ def interdomain_bwd(q, k, v, decay, b, u0, g0, do, duf, dgf, chunk_size=64):
     part_a = q.new_empty(B, H, NC, 4, M, dtype=torch.float32)
     sizes = _sizes(q, v, b)
     _bwd_a_kernel[(NC, B * H)](q, k, v, do, ub, gb, b, pw, a, da, part_a, T, NC, H, M, C=C, **sizes,
-                               num_warps=NUM_WARPS["bwd_a"])
+                               **_launch_opts("bwd_a"))
     rub, du0 = scan(q, b, pw, C, c=da, x0=duf, rev=True)
     rgb, dg0 = scan(do, b, pw, C, c=a, x0=dgf, rev=True)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     part_m = q.new_empty(B, H, NC, 4, M, dtype=torch.float32)
     _bwd_main_kernel[(NC, B * H)](q, k, v, do, a, da, ub, gb, rub, rgb, b, pw, dq, dk, dv, part_m, T, NC, H, M,
-                                  C=C, **sizes, num_warps=NUM_WARPS["bwd_main"])
+                                  C=C, **sizes, **_launch_opts("bwd_main"))
     sums = (part_a.double() + part_m.double()).sum((0, 2))  # [H, 4, M]
     ddecay = torch.stack((sums[:, 2], sums[:, 3]), -1).float()
     dbb = torch.stack((sums[:, 0], sums[:, 1]), -1).float()
