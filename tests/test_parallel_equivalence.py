@@ -8,6 +8,7 @@ LOSS_TOL = 1e-5  # fp32, reductions reordered across ranks
 GRAD_TOL = 1e-4  # relative RMS error of each full (unsharded) gradient
 
 LAYOUTS_2 = {"tp2": dict(tp=2), "tp2_sp": dict(tp=2, sequence_parallel=True), "dp2": dict(dp=2)}
+LAYOUTS_4 = {"tp2_dp2_sp": dict(tp=2, dp=2, sequence_parallel=True)}
 
 
 def _train_layouts(rank, world, layouts, steps):
@@ -29,10 +30,15 @@ def _train_layouts(rank, world, layouts, steps):
     return out
 
 
+@pytest.fixture(scope="module")
+def reference():
+    return run_on_ranks(_train_layouts, 1, {"tp1": {}}, 3)[0]["tp1"]
+
+
 @pytest.mark.dist
-def test_losses_and_grads_match_across_layouts():
-    reference = run_on_ranks(_train_layouts, 1, {"tp1": {}}, 3)[0]["tp1"]
-    per_rank = run_on_ranks(_train_layouts, 2, LAYOUTS_2, 3)
+@pytest.mark.parametrize("world, layouts", [(2, LAYOUTS_2), (4, LAYOUTS_4)], ids=["2ranks", "4ranks"])
+def test_losses_and_grads_match_across_layouts(reference, world, layouts):
+    per_rank = run_on_ranks(_train_layouts, world, layouts, 3)
     ref_losses, ref_grads = reference
     assert len(ref_grads) > 10
     for rank_result in per_rank:
