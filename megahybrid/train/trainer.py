@@ -154,18 +154,19 @@ class Trainer:
         lr = self.schedule(self.step)
         set_lr(self.optimizer, lr)
         poisoned = (self.step + 1) in self.cfg.debug.nan_loss_steps
-        loss_sum = torch.zeros((), dtype=torch.float64)
+        # Summed on the device: one host sync per step (the all-reduce below), not one per micro-batch.
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.engine.device)
         for micro in range(self.gas):
-            batch = {k: v.to(self.engine.device) for k, v in next(batches).items()}
+            batch = {k: v.to(self.engine.device, non_blocking=True) for k, v in next(batches).items()}
             loss = self._loss(batch)
             if poisoned:
                 loss = loss * float("nan")
             self.engine.backward(loss)
-            loss_sum += loss.detach().double().cpu()
+            loss_sum += loss.detach().double()
             if micro < self.gas - 1:
                 self.engine.step()
-        flags = torch.tensor([loss_sum.item(), float(not math.isfinite(loss_sum.item())), float(self.stop.requested)],
-                             dtype=torch.float64, device=self.engine.device)
+        flags = torch.stack([loss_sum, (~torch.isfinite(loss_sum)).double(),
+                             torch.tensor(float(self.stop.requested), dtype=torch.float64, device=loss_sum.device)])
         dist.all_reduce(flags)
         skip = flags[1].item() > 0
         self.optimizer.skipping = skip
