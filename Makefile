@@ -7,14 +7,11 @@ export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 export MASTER_ADDR ?= 127.0.0.1
 export PYTHONWARNINGS ?= ignore::UserWarning,ignore::FutureWarning,ignore::DeprecationWarning
 
-.PHONY: setup demo test test-fast clean
+.PHONY: setup demo test test-fast mpirun-tool clean
 
 setup: $(STAMP)
 
 $(STAMP): requirements-cpu.txt pyproject.toml
-	@# Open MPI's mpirun for the launcher test; where apt is not usable that test skips with the reason printed.
-	command -v mpirun >/dev/null || { apt-get update -qq && apt-get install -y -qq openmpi-bin; } >/dev/null 2>&1 \
-		|| echo "note: could not install openmpi-bin; the mpirun test will be skipped"
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -r requirements-cpu.txt
@@ -24,7 +21,12 @@ $(STAMP): requirements-cpu.txt pyproject.toml
 demo: $(STAMP)
 	$(PY) -m megahybrid train --config demo
 
-test: $(STAMP)
+# Open MPI's mpirun for the launcher test; where apt is not usable that test skips with the reason printed.
+mpirun-tool:
+	@command -v mpirun >/dev/null || { apt-get update -qq && apt-get install -y -qq openmpi-bin; } >/dev/null 2>&1 \
+		|| echo "note: could not install openmpi-bin; the mpirun test will be skipped"
+
+test: $(STAMP) mpirun-tool
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 test-fast: $(STAMP)
