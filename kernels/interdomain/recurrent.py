@@ -1,37 +1,167 @@
-"""Token-by-token Interdomain Attention for decoding."""
+"""Fused recurrent Interdomain Attention for decoding and short prompts (forward only, see README.md, "Decoding").
+
+One Triton program per (V tile, batch row, head) walks the T tokens in order and keeps the complex states
+U [M, 2, K], the Gamma tile [M, 2, BV] and eta [M, 2] in fp32 registers, so only q_t, k_t, v_t are read and o_t
+written per token, plus the initial state once and the final state once. Every V tile recomputes U (M·K work
+per token, cheap next to the state traffic a split would add); the V tile 0 program alone writes U and eta.
+"""
+import os
+
 import torch
+import triton
+import triton.language as tl
+
+from .naive import EPS
+
+
+@triton.jit
+def _token(q_ptr, k_ptr, v_ptr, o_ptr, pqk, pvo, t, H, K, V, mk, mv, eps, lr, li, br, bi, ur, ui, gr, gi, er, ei,
+           NORMALIZE: tl.constexpr):
+    """Token t: advance U, the Gamma tile and eta by one step, then write o_t's V tile."""
+    qt = tl.load(q_ptr + pqk + t * H * K, mask=mk, other=0.0).to(tl.float32)[None, :]
+    kt = tl.load(k_ptr + pqk + t * H * K, mask=mk, other=0.0).to(tl.float32)[None, :]
+    vt = tl.load(v_ptr + pvo + t * H * V, mask=mv, other=0.0).to(tl.float32)[None, :]
+    lr2, li2, br2, bi2 = lr[:, None], li[:, None], br[:, None], bi[:, None]
+    ur, ui = lr2 * ur - li2 * ui + br2 * kt, lr2 * ui + li2 * ur + bi2 * kt
+    gr, gi = lr2 * gr - li2 * gi + br2 * vt, lr2 * gi + li2 * gr + bi2 * vt
+    ar, ai = tl.sum(ur * qt, axis=1), tl.sum(ui * qt, axis=1)
+    o = tl.sum(ar[:, None] * gr + ai[:, None] * gi, axis=0)
+    if NORMALIZE:
+        er, ei = lr * er - li * ei + br, lr * ei + li * er + bi
+        den = tl.sum(ar * er + ai * ei, axis=0)
+        o = o / (den + tl.where(den >= 0, eps, -eps))
+    tl.store(o_ptr + pvo + t * H * V, o.to(o_ptr.dtype.element_ty), mask=mv)
+    return ur, ui, gr, gi, er, ei
+
+
+@triton.jit
+def _fused_recurrent_fwd_kernel(q_ptr, k_ptr, v_ptr, decay_ptr, b_ptr, u0_ptr, g0_ptr, e0_ptr,
+                                o_ptr, uf_ptr, gf_ptr, ef_ptr, T, H, M, K, V, eps,
+                                BM: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, HAS_INIT: tl.constexpr,
+                                NORMALIZE: tl.constexpr, STORE_FINAL: tl.constexpr, INTERPRET: tl.constexpr):
+    i_v, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = i_bh // H, i_bh % H
+    om, ok = tl.arange(0, BM), tl.arange(0, BK)
+    ov = i_v * BV + tl.arange(0, BV)
+    mm, mk, mv = om < M, ok < K, ov < V
+    # padded modes get lambda = 0 and b = 0, so their rows stay zero and add nothing to o or den
+    al = tl.load(decay_ptr + (i_h * M + om) * 2, mask=mm, other=float("-inf"))
+    th = tl.load(decay_ptr + (i_h * M + om) * 2 + 1, mask=mm, other=0.0)
+    lr, li = tl.exp(al) * tl.cos(th), tl.exp(al) * tl.sin(th)
+    br = tl.load(b_ptr + (i_h * M + om) * 2, mask=mm, other=0.0)
+    bi = tl.load(b_ptr + (i_h * M + om) * 2 + 1, mask=mm, other=0.0)
+
+    pu = (i_bh * M + om[:, None]) * 2 * K + ok[None, :]
+    pg = (i_bh * M + om[:, None]) * 2 * V + ov[None, :]
+    pe = (i_bh * M + om) * 2
+    mu, mg = mm[:, None] & mk[None, :], mm[:, None] & mv[None, :]
+    if HAS_INIT:
+        ur, ui = tl.load(u0_ptr + pu, mask=mu, other=0.0), tl.load(u0_ptr + pu + K, mask=mu, other=0.0)
+        gr, gi = tl.load(g0_ptr + pg, mask=mg, other=0.0), tl.load(g0_ptr + pg + V, mask=mg, other=0.0)
+    else:
+        ur, ui = tl.zeros([BM, BK], tl.float32), tl.zeros([BM, BK], tl.float32)
+        gr, gi = tl.zeros([BM, BV], tl.float32), tl.zeros([BM, BV], tl.float32)
+    er, ei = tl.zeros([BM], tl.float32), tl.zeros([BM], tl.float32)
+    if NORMALIZE and HAS_INIT:
+        er, ei = tl.load(e0_ptr + pe, mask=mm, other=0.0), tl.load(e0_ptr + pe + 1, mask=mm, other=0.0)
+
+    pqk = (i_b * T * H + i_h) * K + ok
+    pvo = (i_b * T * H + i_h) * V + ov
+    # the interpreter (numpy >= 2.4) cannot take a runtime range() bound; compiled code keeps the for loop
+    if INTERPRET:
+        t = 0
+        while t < T:
+            ur, ui, gr, gi, er, ei = _token(q_ptr, k_ptr, v_ptr, o_ptr, pqk, pvo, t, H, K, V, mk, mv, eps, lr, li,
+                                            br, bi, ur, ui, gr, gi, er, ei, NORMALIZE)
+            t += 1
+    else:
+        for t in range(T):
+            ur, ui, gr, gi, er, ei = _token(q_ptr, k_ptr, v_ptr, o_ptr, pqk, pvo, t, H, K, V, mk, mv, eps, lr, li,
+                                            br, bi, ur, ui, gr, gi, er, ei, NORMALIZE)
+
+    if STORE_FINAL:
+        tl.store(gf_ptr + pg, gr, mask=mg)
+        tl.store(gf_ptr + pg + V, gi, mask=mg)
+        if i_v == 0:
+            tl.store(uf_ptr + pu, ur, mask=mu)
+            tl.store(uf_ptr + pu + K, ui, mask=mu)
+            if NORMALIZE:
+                tl.store(ef_ptr + pe, er, mask=mm)
+                tl.store(ef_ptr + pe + 1, ei, mask=mm)
+
+
+def launch_config(B, H, M, K, V, block_v=None):
+    """Block sizes and warps: V tiles shrink (down to 16) until B·H·tiles fills ~128 SMs; warps keep the fp32
+    state near 64 registers per thread."""
+    BM, BK = max(2, triton.next_power_of_2(M)), max(16, triton.next_power_of_2(K))
+    BV = block_v or min(64, max(16, triton.next_power_of_2(V)))
+    while block_v is None and BV > 16 and B * H * triton.cdiv(V, BV) < 128:
+        BV //= 2
+    state = 2 * BM * (BK + BV)
+    num_warps = min(16, max(1, triton.next_power_of_2(triton.cdiv(state, 32 * 64))))
+    return dict(BM=BM, BK=BK, BV=BV, num_warps=num_warps)
+
+
+def interdomain_recurrent_fwd(q, k, v, decay, b, initial_state, normalize, output_final_state=True,
+                              block_v=None):
+    """Fused recurrent forward on checked inputs. q, k [B, T, H, K]; v [B, T, H, V]; returns o, final state."""
+    B, T, H, K = q.shape
+    V, M = v.shape[-1], decay.shape[1]
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    cfg = launch_config(B, H, M, K, V, block_v)
+    o = torch.empty_like(v)
+    uf = q.new_empty(B, H, M, 2, K, dtype=torch.float32)
+    gf = q.new_empty(B, H, M, 2, V, dtype=torch.float32)
+    ef = q.new_empty(B, H, M, 2, dtype=torch.float32) if normalize else uf
+    init = [s.contiguous() for s in initial_state] if initial_state is not None else [uf, gf, ef]
+    e0 = init[2] if normalize else init[0]
+    grid = (triton.cdiv(V, cfg["BV"]), B * H)
+    _fused_recurrent_fwd_kernel[grid](q, k, v, decay.contiguous(), b.contiguous(), init[0], init[1], e0,
+                                      o, uf, gf, ef, T, H, M, K, V, EPS, HAS_INIT=initial_state is not None,
+                                      NORMALIZE=normalize, STORE_FINAL=output_final_state,
+                                      INTERPRET=os.environ.get("TRITON_INTERPRET", "0") == "1", **cfg)
+    if not output_final_state:
+        return o, None
+    return o, (uf, gf, ef) if normalize else (uf, gf)
+
+
+def interdomain_recurrent(q, k, v, decay, b, initial_state=None, normalize=None):
+    """Interdomain Attention for short prompts and decoding, token by token in one fused kernel.
+
+    Forward only: under grad mode with any input requiring grad the call goes to the differentiable chunk op
+    `interdomain_attention` (same definition, same results within fp32 rounding).
+
+    Args:
+        q, k: [B, T, H, K]; v: [B, T, H, V] (fp32, bf16 or fp16, one dtype); decay, b: [H, M, 2] fp32.
+        initial_state: None (zeros) or (U [B, H, M, 2, K], G [B, H, M, 2, V]) fp32, plus eta [B, H, M, 2]
+            for the normalized readout.
+        normalize: the normalized readout; None means "initial_state has eta".
+    Returns:
+        o [B, T, H, V] in v's dtype and the final state in initial_state's layout.
+    """
+    # imported here: the package's __init__ imports this module
+    from . import check_inputs, interdomain_attention
+
+    if normalize is None:
+        normalize = initial_state is not None and len(initial_state) == 3
+    check_inputs(q, k, v, decay, b, initial_state, normalize, 64)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in [q, k, v, decay, b, *(initial_state or ())]):
+        return interdomain_attention(q, k, v, decay, b, initial_state, True, normalize)
+    return interdomain_recurrent_fwd(q, k, v, decay, b, initial_state, normalize)
 
 
 def interdomain_step(q, k, v, decay, b, state):
-    """One decoding token; stands for T = 1 of the chunk op with the state carried.
+    """One decoding token: the fused recurrent kernel with T = 1.
 
     Args:
         q, k: [B, H, K]; v: [B, H, V]; decay, b: [H, M, 2] fp32.
-        state: (U [B, H, M, 2, K], G [B, H, M, 2, V]) fp32, optionally eta [B, H, M, 2] (normalized readout).
+        state: (U [B, H, M, 2, K], G [B, H, M, 2, V]) fp32, plus eta [B, H, M, 2] for the normalized readout;
+            None means a zero state without normalization.
     Returns:
         o [B, H, V] in v's dtype and the new state tuple (new tensors; the inputs are not modified).
     """
-    lam = torch.exp(torch.complex(decay[..., 0], decay[..., 1]))[None, :, :, None]
-    bc = torch.complex(b[..., 0], b[..., 1])[None, :, :, None]
-    u = lam * torch.complex(state[0][..., 0, :], state[0][..., 1, :]) + bc * k.float()[:, :, None, :]
-    g = lam * torch.complex(state[1][..., 0, :], state[1][..., 1, :]) + bc * v.float()[:, :, None, :]
-    a = (q.float()[:, :, None, :] * u).sum(-1, keepdim=True)
-    o = (a.real * g.real + a.imag * g.imag).sum(2)
-    new = (torch.stack((u.real, u.imag), -2), torch.stack((g.real, g.imag), -2))
-    if len(state) == 3:
-        from .naive import EPS, sign_nonzero
-
-        eta = lam[..., 0] * torch.complex(state[2][..., 0], state[2][..., 1]) + bc[..., 0]
-        den = (a[..., 0].real * eta.real + a[..., 0].imag * eta.imag).sum(2, keepdim=True)
-        o = o / (den + EPS * sign_nonzero(den))
-        new = new + (torch.stack((eta.real, eta.imag), -1),)
-    return o.to(v.dtype), new
-
-
-def interdomain_recurrent(q, k, v, decay, b, initial_state):
-    """Short prompts: the step applied along T. q, k [B, T, H, K], v [B, T, H, V]; returns o [B, T, H, V], state."""
-    state, outs = initial_state, []
-    for t in range(q.shape[1]):
-        o, state = interdomain_step(q[:, t], k[:, t], v[:, t], decay, b, state)
-        outs.append(o)
-    return torch.stack(outs, 1), state
+    if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
+        raise ValueError(f"interdomain_step takes one token: q, k [B, H, K], v [B, H, V] (no T axis); "
+                         f"got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    o, state = interdomain_recurrent(q[:, None], k[:, None], v[:, None], decay, b, state)
+    return o[:, 0], state

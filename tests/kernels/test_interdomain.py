@@ -179,3 +179,75 @@ def test_chunk_matches_naive_gpu_bf16(nan_empty, T, M, normalize, impl):
 def test_strong_decay_gpu_bf16(nan_empty, impl):
     inputs = make_inputs(2, 200, 2, 128, 128, 32, dtype=torch.bfloat16, strong=True)
     compare(inputs, BF16_TOL, BF16_GRAD_TOL, impl=impl)
+
+
+# Fused recurrent kernel (recurrent.py): forward only, decoding and short prompts
+def compare_recurrent(inputs, normalize, tol, state_tol=FP32_TOL):
+    q, k, v, decay, b, *state = inputs
+    o, st = interdomain_recurrent(q, k, v, decay, b, tuple(state) or None, normalize=normalize)
+    ref = [x.float() for x in inputs]
+    ro, rst = interdomain_attention_naive(*ref[:5], tuple(ref[5:]) or None, True, normalize)
+    print(f"o={rel_rms_error(o, ro):.2e} " + " ".join(f"state{i}={rel_rms_error(a, r):.2e}"
+                                                    for i, (a, r) in enumerate(zip(st, rst))))
+    assert o.dtype == v.dtype and len(st) == len(rst)
+    assert_close(o, ro, tol, "recurrent o")
+    for i, (a, r) in enumerate(zip(st, rst)):
+        assert_close(a, r, state_tol, f"recurrent final state {i}")
+
+
+@pytest.mark.parametrize("T,M,K,V,normalize,init", [
+    (1, 8, 16, 32, False, True),
+    (1, 32, 16, 24, True, True),
+    (5, 32, 32, 16, True, False),
+    (5, 1, 20, 40, False, False),
+    (63, 1, 16, 32, True, True),
+    (63, 32, 16, 24, False, True),
+    (100, 8, 20, 40, False, True),
+    (100, 8, 32, 16, True, False),
+])
+def test_fused_recurrent_matches_naive(nan_empty, T, M, K, V, normalize, init):
+    """K != V, K and V not powers of two (masked tiles), several V tiles per head."""
+    compare_recurrent(make_inputs(1, T, 2, K, V, M, normalize=normalize, init=init), normalize, FP32_TOL)
+
+
+@pytest.mark.parametrize("normalize", [False, True])
+def test_prefill_then_decode_equals_one_call(nan_empty, normalize):
+    """Chunk op over a prompt, then the fused kernel for a short continuation and single steps = one chunk call."""
+    q, k, v, decay, b, *state = make_inputs(1, 45, 2, 16, 24, 8, normalize=normalize)
+    o, st = interdomain_attention(q, k, v, decay, b, tuple(state), True, normalize)
+    o1, st1 = interdomain_attention(q[:, :33], k[:, :33], v[:, :33], decay, b, tuple(state), True, normalize)
+    o2, st2 = interdomain_recurrent(q[:, 33:43], k[:, 33:43], v[:, 33:43], decay, b, st1)
+    steps = []
+    for t in (43, 44):
+        o_t, st2 = interdomain_step(q[:, t], k[:, t], v[:, t], decay, b, st2)
+        steps.append(o_t[:, None])
+    assert_close(torch.cat([o1, o2] + steps, 1), o, FP32_TOL, "prefill + decode output")
+    for a, r in zip(st2, st):
+        assert_close(a, r, FP32_TOL, "prefill + decode final state")
+
+
+def test_fused_recurrent_grad_goes_to_chunk_op():
+    """Inputs that need grad under grad mode are routed to the differentiable chunk op; gradients match naive."""
+    inputs = make_inputs(1, 6, 2, 16, 8, 4)
+    o, st, grads = run_op(lambda *a, initial_state, output_final_state, normalize:
+                          interdomain_recurrent(*a, initial_state, normalize), inputs, False)
+    ro, rst, rgrads = run_op(interdomain_attention_naive, inputs, False)
+    assert o.grad_fn is not None
+    for n, a, r in zip(["q", "k", "v", "decay", "b", "U0", "G0"], grads, rgrads):
+        assert_close(a, r, FP32_TOL, f"routed d{n}")
+
+
+def test_step_bad_inputs():
+    q, k, v, decay, b, u0, g0 = make_inputs(1, 1, 2, 16, 16, 4, device="cpu")
+    with pytest.raises(ValueError, match=re.escape("interdomain_step takes one token")):
+        interdomain_step(q, k, v, decay, b, (u0, g0))
+    with pytest.raises(ValueError, match=re.escape("initial_state tensors must be")):
+        interdomain_step(q[:, 0], k[:, 0], v[:, 0], decay, b, (u0, g0[..., :8]))
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("B,T,normalize", [(8, 1, False), (2, 300, False), (2, 100, True)])
+def test_fused_recurrent_matches_naive_gpu_bf16(nan_empty, B, T, normalize):
+    inputs = make_inputs(B, T, 3, 128, 127 if normalize else 128, 32, dtype=torch.bfloat16, normalize=normalize)
+    compare_recurrent(inputs, normalize, BF16_TOL, state_tol=1e-3)
