@@ -41,10 +41,25 @@ def prepare_launch_env() -> None:
         nodelist = os.environ.get("SLURM_JOB_NODELIST") or os.environ.get("SLURM_NODELIST")
         if nodelist and int(os.environ.get("SLURM_JOB_NUM_NODES", os.environ.get("SLURM_NNODES", "1"))) > 1:
             os.environ["MASTER_ADDR"] = _first_slurm_host(nodelist)
-        ompi_size = os.environ.get("OMPI_COMM_WORLD_SIZE")
-        if ompi_size and ompi_size != os.environ.get("OMPI_COMM_WORLD_LOCAL_SIZE", ompi_size):
-            raise UserError("mpirun across several nodes: export MASTER_ADDR=<first node's address> (and MASTER_PORT)")
+        if "OMPI_COMM_WORLD_SIZE" in os.environ or "PMI_SIZE" in os.environ:
+            _mpi_rendezvous_env()
     resolve_launch_env()
+
+
+def _mpi_rendezvous_env() -> None:
+    """MASTER_ADDR/PORT for mpirun from mpi4py; without it only a one-node launch can default to 127.0.0.1."""
+    from megahybrid.errors import UserError
+    from megahybrid.mpi import mpi_rendezvous
+
+    size = os.environ.get("OMPI_COMM_WORLD_SIZE") or os.environ.get("PMI_SIZE")
+    agreed = mpi_rendezvous(int(size))
+    if agreed is not None:
+        os.environ["MASTER_ADDR"] = agreed[0]
+        os.environ.setdefault("MASTER_PORT", agreed[1])
+        return
+    if size and size != os.environ.get("OMPI_COMM_WORLD_LOCAL_SIZE", size):
+        raise UserError("mpirun across several nodes: install mpi4py (pip install 'megahybrid[mpi]') or export "
+                        "MASTER_ADDR=<first node's address> (and MASTER_PORT)")
 
 
 def _first_slurm_host(nodelist: str) -> str:

@@ -1,13 +1,12 @@
-"""A real `mpirun` launch (Open MPI) trains exactly like torchrun: ranks come from OMPI_* and the rendezvous
-stays on 127.0.0.1. Skipped, with the reason printed, where Open MPI is not installed (`make setup` installs it
-with apt when it can)."""
+"""A real `mpirun` launch (Open MPI) trains exactly like torchrun: ranks come from OMPI_*, and with no
+MASTER_ADDR/MASTER_PORT exported the ranks agree on 127.0.0.1 and a free port through mpi4py. Skipped, with the
+reason printed, where Open MPI is not installed (`make test` installs it with apt when it can)."""
 import shutil
 import subprocess
 import sys
 
 import pytest
 
-from tests.dist import free_port
 from tests.test_train_resume import REPO, _args, _env, data_dir, losses, run  # noqa: F401  (data_dir: fixture)
 
 MPIRUN = shutil.which("mpirun")
@@ -18,12 +17,27 @@ MPIRUN = shutil.which("mpirun")
 def test_mpirun_matches_torchrun(data_dir, tmp_path):  # noqa: F811
     via_torchrun, via_mpirun = str(tmp_path / "torchrun"), str(tmp_path / "mpirun")
     run(_args(via_torchrun, data_dir, 3), world=2, style="torchrun")
-    env = _env({"MASTER_PORT": str(free_port())})
+    env = {k: v for k, v in _env().items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
     cmd = [MPIRUN, "-np", "2", "--allow-run-as-root", "--oversubscribe", "--bind-to", "none",
-           "-x", "PYTHONPATH", "-x", "MASTER_PORT", "-x", "MASTER_ADDR", "-x", "PYTHONWARNINGS",
+           "-x", "PYTHONPATH", "-x", "PYTHONWARNINGS",
            "-x", "TORCH_EXTENSIONS_DIR", sys.executable, "-m", "megahybrid", *_args(via_mpirun, data_dir, 3)]
     env.setdefault("TORCH_EXTENSIONS_DIR", f"{REPO}/.cache/torch_extensions")
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "world_size=2" in proc.stdout
     assert losses(via_mpirun) == losses(via_torchrun) and len(losses(via_mpirun)) == 3
+
+
+@pytest.mark.skipif(MPIRUN is None, reason="mpirun (Open MPI) not installed")
+def test_mpirun_ranks_agree_on_a_free_port():
+    pytest.importorskip("mpi4py", reason="mpi4py not installed")
+    probe = ("from megahybrid.cli import prepare_launch_env; import os; prepare_launch_env(); "
+             "print(os.environ['RANK'], os.environ['MASTER_ADDR'], os.environ['MASTER_PORT'])")
+    env = {k: v for k, v in _env().items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
+    proc = subprocess.run([MPIRUN, "-np", "2", "--allow-run-as-root", "--oversubscribe", "-x", "PYTHONPATH",
+                           sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = sorted(line.split() for line in proc.stdout.splitlines() if line.strip())
+    assert [line[0] for line in lines] == ["0", "1"]
+    assert {tuple(line[1:]) for line in lines} == {("127.0.0.1", lines[0][2])}
+    assert lines[0][2] != "29500", "the fixed default port was used instead of the agreed one"
