@@ -1,8 +1,8 @@
 """Interdomain Attention token-mixing op: chunked Triton kernels (forward + backward), decode step, reference."""
 import torch
 
+from . import chunk, chunk_v2
 from .chunk import InterdomainFunction
-from .chunk_v2 import InterdomainFunctionV2
 from .naive import EPS, interdomain_attention_naive, sign_nonzero
 from .recurrent import interdomain_recurrent, interdomain_step
 
@@ -10,7 +10,7 @@ __all__ = ["interdomain_attention", "interdomain_attention_naive", "interdomain_
            "EPS"]
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_IMPLS = {"v1": InterdomainFunction, "v2": InterdomainFunctionV2}
+_IMPLS = {"v1": chunk, "v2": chunk_v2}
 
 
 def interdomain_attention(q, k, v, decay, b, initial_state=None, output_final_state=False, normalize=False,
@@ -41,8 +41,8 @@ def interdomain_attention(q, k, v, decay, b, initial_state=None, output_final_st
     if initial_state is not None:
         u0 = initial_state[0].transpose(2, 3).contiguous()
         g0 = initial_state[1].transpose(2, 3).contiguous()
-    o, uf, gf = _IMPLS[impl].apply(q.contiguous(), k.contiguous(), v.contiguous(), decay.contiguous(),
-                                   b.contiguous(), u0, g0, chunk_size)
+    o, uf, gf = InterdomainFunction.apply(q.contiguous(), k.contiguous(), v.contiguous(), decay.contiguous(),
+                                          b.contiguous(), u0, g0, chunk_size, _IMPLS[impl])
     state = (uf.transpose(2, 3).contiguous(), gf.transpose(2, 3).contiguous()) if output_final_state else None
     if normalize:
         den = o[..., V:].float()

@@ -580,20 +580,22 @@ def _param_grads(part, decay, b, T, ustate, gstate):
 
 
 class InterdomainFunction(torch.autograd.Function):
-    """Autograd wrapper: the forward keeps only the inputs; the backward recomputes chunk states."""
+    """Autograd wrapper over a host module's `interdomain_fwd` / `interdomain_bwd` (this file's v1 kernels or
+    chunk_v2's): the forward keeps only the inputs; the backward recomputes chunk states."""
 
     @staticmethod
-    def forward(ctx, q, k, v, decay, b, u0, g0, chunk_size):
-        o, uf, gf = interdomain_fwd(q, k, v, decay, b, u0, g0, chunk_size)
+    def forward(ctx, q, k, v, decay, b, u0, g0, chunk_size, host):
+        o, uf, gf = host.interdomain_fwd(q, k, v, decay, b, u0, g0, chunk_size)
         ctx.save_for_backward(q, k, v, decay, b, u0, g0)
-        ctx.chunk_size = chunk_size
+        ctx.chunk_size, ctx.host = chunk_size, host
         return o, uf, gf
 
     @staticmethod
     def backward(ctx, do, duf, dgf):
         q, k, v, decay, b, u0, g0 = ctx.saved_tensors
-        grads = interdomain_bwd(q, k, v, decay, b, u0, g0, do.contiguous(), _opt(duf), _opt(dgf), ctx.chunk_size)
-        return (*grads, None)
+        grads = ctx.host.interdomain_bwd(q, k, v, decay, b, u0, g0, do.contiguous(), _opt(duf), _opt(dgf),
+                                         ctx.chunk_size)
+        return (*grads, None, None)
 
 
 def _opt(t):

@@ -514,24 +514,3 @@ def interdomain_bwd(q, k, v, decay, b, u0, g0, do, duf, dgf, chunk_size=64):
     ddecay = torch.stack((sums[:, 2], sums[:, 3]), -1).float()
     dbb = torch.stack((sums[:, 0], sums[:, 1]), -1).float()
     return dq, dk, dv, ddecay, dbb, du0 if u0 is not None else None, dg0 if g0 is not None else None
-
-
-class InterdomainFunctionV2(torch.autograd.Function):
-    """Autograd wrapper: the forward keeps only the inputs; the backward recomputes the chunk states."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, decay, b, u0, g0, chunk_size):
-        o, uf, gf = interdomain_fwd(q, k, v, decay, b, u0, g0, chunk_size)
-        ctx.save_for_backward(q, k, v, decay, b, u0, g0)
-        ctx.chunk_size = chunk_size
-        return o, uf, gf
-
-    @staticmethod
-    def backward(ctx, do, duf, dgf):
-        q, k, v, decay, b, u0, g0 = ctx.saved_tensors
-        grads = interdomain_bwd(q, k, v, decay, b, u0, g0, do.contiguous(), _opt(duf), _opt(dgf), ctx.chunk_size)
-        return (*grads, None)
-
-
-def _opt(t):
-    return None if t is None else t.contiguous().float()
