@@ -29,15 +29,17 @@ def test_mpirun_matches_torchrun(data_dir, tmp_path):  # noqa: F811
 
 
 @pytest.mark.skipif(MPIRUN is None, reason="mpirun (Open MPI) not installed")
-def test_mpirun_ranks_agree_on_a_free_port():
+def test_mpirun_ranks_agree_on_a_free_port(tmp_path):
     pytest.importorskip("mpi4py", reason="mpi4py not installed")
-    probe = ("from megahybrid.cli import prepare_launch_env; import os; prepare_launch_env(); "
-             "print(os.environ['RANK'], os.environ['MASTER_ADDR'], os.environ['MASTER_PORT'])")
+    # Each rank writes its own file: the ranks' stdout lines interleave.
+    probe = ("from megahybrid.cli import prepare_launch_env; import os, sys; prepare_launch_env(); "
+             "open(os.path.join(sys.argv[1], os.environ['RANK']), 'w').write("
+             "os.environ['MASTER_ADDR'] + ' ' + os.environ['MASTER_PORT'])")
     env = {k: v for k, v in _env().items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
     proc = subprocess.run([MPIRUN, "-np", "2", "--allow-run-as-root", "--oversubscribe", "-x", "PYTHONPATH",
-                           sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120)
+                           sys.executable, "-c", probe, str(tmp_path)], env=env, capture_output=True, text=True,
+                          timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    lines = sorted(line.split() for line in proc.stdout.splitlines() if line.strip())
-    assert [line[0] for line in lines] == ["0", "1"]
-    assert {tuple(line[1:]) for line in lines} == {("127.0.0.1", lines[0][2])}
-    assert lines[0][2] != "29500", "the fixed default port was used instead of the agreed one"
+    agreed = {rank: (tmp_path / rank).read_text().split() for rank in ("0", "1")}
+    assert agreed["0"] == agreed["1"] and agreed["0"][0] == "127.0.0.1", agreed
+    assert agreed["0"][1] != "29500", "the fixed default port was used instead of the agreed one"
