@@ -11,11 +11,12 @@ is exact in range, by shearing the [C, C] matrix with tl.gather (D[t, n] = A[t, 
   _bwd_a_kernel    a and da per token, plus the intra-chunk parts of d(log lam) and db
   _bwd_main_kernel dq, dk, dv, plus the state parts of d(log lam) and db
 """
-import os
 
 import torch
 import triton
 import triton.language as tl
+
+from .chunk import _interpret, _next_pow2, _prec
 
 
 @triton.jit
@@ -427,23 +428,11 @@ def _launch_opts(name: str) -> dict:
     return opts
 
 
-def _interpret() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-def _pow2(n: int, lo: int = 16) -> int:
-    return max(lo, triton.next_power_of_2(n))
-
-
-def _prec(t: torch.Tensor) -> str:
-    return "ieee" if t.dtype == torch.float32 else "tf32"
-
-
 def powers(decay: torch.Tensor, C: int) -> torch.Tensor:
     """lam^n for n = 0..C as [H, C + 1, 2, M] fp32 (re, im planes), computed on the device in fp64."""
     H, M = decay.shape[:2]
     pw = decay.new_empty(H, C + 1, 2, M)
-    _powers_kernel[(H,)](decay, pw, M, C=C, NP=_pow2(C + 1), BM=_pow2(M))
+    _powers_kernel[(H,)](decay, pw, M, C=C, NP=_next_pow2(C + 1), BM=_next_pow2(M))
     return pw
 
 
@@ -457,8 +446,8 @@ def scan(z, b, pw, C, c=None, x0=None, rev=False):
     M, NC = b.shape[1], triton.cdiv(T, C)
     xb = z.new_empty(B, H, NC, 2, M, D)
     xf = z.new_empty(B, H, 2, M, D, dtype=torch.float32)
-    BM = min(_pow2(M), 32)
-    BD = min(_pow2(D), 64)
+    BM = min(_next_pow2(M), 32)
+    BD = min(_next_pow2(D), 64)
     if B * H * triton.cdiv(D, BD) * triton.cdiv(M, BM) < 264:
         # few (b, h) rows (long sequences): smaller tiles give the sequential chunk loop more SMs
         BM, BD = 16, min(BD, 32)
@@ -470,8 +459,8 @@ def scan(z, b, pw, C, c=None, x0=None, rev=False):
 
 
 def _sizes(q, v, b):
-    return dict(K=q.shape[-1], V=v.shape[-1], BM=_pow2(b.shape[1]), BK=min(_pow2(q.shape[-1]), 64),
-                BV=min(_pow2(v.shape[-1]), 64), PREC=_prec(q))
+    return dict(K=q.shape[-1], V=v.shape[-1], BM=_next_pow2(b.shape[1]), BK=min(_next_pow2(q.shape[-1]), 64),
+                BV=min(_next_pow2(v.shape[-1]), 64), PREC=_prec(q))
 
 
 def interdomain_fwd(q, k, v, decay, b, u0=None, g0=None, chunk_size=64):

@@ -5,12 +5,12 @@ U [M, 2, K], the Gamma tile [M, 2, BV] and eta [M, 2] in fp32 registers, so only
 written per token, plus the initial state once and the final state once. Every V tile recomputes U (M·K work
 per token, cheap next to the state traffic a split would add); the V tile 0 program alone writes U and eta.
 """
-import os
 
 import torch
 import triton
 import triton.language as tl
 
+from .chunk import _interpret
 from .naive import EPS
 
 
@@ -119,7 +119,7 @@ def interdomain_recurrent_fwd(q, k, v, decay, b, initial_state, normalize, outpu
     _fused_recurrent_fwd_kernel[grid](q, k, v, decay.contiguous(), b.contiguous(), init[0], init[1], e0,
                                       o, uf, gf, ef, T, H, M, K, V, EPS, HAS_INIT=initial_state is not None,
                                       NORMALIZE=normalize, STORE_FINAL=output_final_state,
-                                      INTERPRET=os.environ.get("TRITON_INTERPRET", "0") == "1", **cfg)
+                                      INTERPRET=_interpret(), **cfg)
     if not output_final_state:
         return o, None
     return o, (uf, gf, ef) if normalize else (uf, gf)
