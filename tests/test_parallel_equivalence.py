@@ -12,7 +12,7 @@ LAYOUTS_4 = {"tp2_dp2_sp": dict(tp=2, dp=2, sequence_parallel=True)}
 
 
 def _train_layouts(rank, world, layouts, steps):
-    from megahybrid.demo import train_steps
+    from tests.minimal_train import train_steps
     from megahybrid.distributed import init_distributed, shutdown
     from megahybrid.model.config import preset
     from megahybrid.model.gpt import build_model

@@ -1,16 +1,11 @@
-"""Foundation demo: a few steps of the tiny model on built-in synthetic tokens with torch AdamW.
-
-`python -m megahybrid.demo` (alone or under torchrun). The training job (`megahybrid train`) supersedes it.
-"""
-import argparse
-
+"""A minimal training loop for layout-equivalence tests: torch AdamW, manual DP gradient averaging, synthetic
+tokens. It keeps DeepSpeed out of the comparison so a mismatch points at the model's parallel layers."""
 import torch
 import torch.distributed as dist
 
-from megahybrid.distributed import Groups, init_distributed, shutdown
-from megahybrid.model.config import ModelConfig, preset
-from megahybrid.model.gpt import build_model, lm_loss
-from megahybrid.parallel import ParallelLayout
+from megahybrid.distributed import Groups
+from megahybrid.model.config import ModelConfig
+from megahybrid.model.gpt import lm_loss
 
 
 def synthetic_batch(cfg: ModelConfig, step: int, global_batch: int, seed: int = 0) -> torch.Tensor:
@@ -52,24 +47,3 @@ def train_steps(model, cfg: ModelConfig, groups: Groups, steps: int, global_batc
         dist.all_reduce(reported, group=groups.dp_group)
         losses.append(reported.item() / groups.layout.dp)
     return losses
-
-
-def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--tp", type=int, default=1)
-    args = parser.parse_args(argv)
-    import os
-
-    groups = init_distributed(ParallelLayout.for_world(int(os.environ.get("WORLD_SIZE", 1)), tp=args.tp))
-    cfg = preset("tiny")
-    model = build_model(cfg, groups.layout)
-    losses = train_steps(model, cfg, groups, args.steps, global_batch=8 * groups.layout.dp)
-    if groups.is_loss_rank:
-        for step, loss in enumerate(losses):
-            print(f"step {step:3d}  loss {loss:.4f}")
-    shutdown()
-
-
-if __name__ == "__main__":
-    main()
