@@ -1,6 +1,4 @@
 """Shared test helpers: relative-RMS comparison, NaN-poisoned buffers, device selection."""
-import os
-
 import pytest
 import torch
 
@@ -29,21 +27,12 @@ def assert_close(actual, expected, tol: float, name: str = "tensor") -> None:
     assert err <= tol, f"{name}: relative RMS error {err:.3e} > tolerance {tol:.1e}"
 
 
-def poisoned_empty(*shape, dtype=torch.float32, device="cpu") -> torch.Tensor:
-    """torch.empty filled with NaN, so an element a kernel forgets to write fails the comparison."""
-    return torch.full(shape, float("nan"), dtype=dtype, device=device)
-
-
 def test_device() -> str:
     """'cuda' when present, else 'cpu' (Triton kernels then run under TRITON_INTERPRET=1)."""
     return "cuda" if HAS_CUDA else "cpu"
 
 
 test_device.__test__ = False
-
-
-def interpret_mode() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 class nan_poisoned_empty:

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer import TransformerConfig
 
+from megahybrid.distributed import device
 from megahybrid.errors import LayoutError
 from megahybrid.model.config import ModelConfig
 from megahybrid.model.specs import block_spec, max_chunk_size
@@ -63,8 +64,7 @@ def build_model(cfg: ModelConfig, layout: ParallelLayout, precision: str = "fp32
         position_embedding_type="rope",
         rotary_base=int(cfg.rope_base),
     )
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    return model.to(device)
+    return model.to(device())
 
 
 def lm_loss(model: GPTModel, tokens: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:

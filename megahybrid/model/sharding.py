@@ -17,11 +17,6 @@ def merge_shards(shards: list[torch.Tensor], dim: int, stride: int = 1) -> torch
     return torch.cat(ordered, dim=dim)
 
 
-def split_full(full: torch.Tensor, world: int, rank: int, dim: int, stride: int = 1) -> torch.Tensor:
-    pieces = torch.chunk(full, world * stride, dim=dim)
-    return torch.cat(pieces[rank::world], dim=dim)
-
-
 def gather_full(tensor: torch.Tensor, like: torch.Tensor, tp_group) -> torch.Tensor:
     """All-gather this rank's shard of a TP-sharded tensor (tagged like `like`) into the full tensor."""
     if not is_tp_sharded(like) or dist.get_world_size(tp_group) == 1:
