@@ -2,9 +2,9 @@
 H = 16, K = V = 128, bf16, next to causal SDPA (flash, cuDNN) and fla's chunk_gated_delta_rule forward.
 
 Also prints the op's dot FLOPs and HBM bytes per token-head (model of the kernels as written) and the floor they
-give at the measured matmul and copy peaks. Usage: python tools/bench_interdomain.py [--quick] [--impl v1 v2]
-(`--impl v1 v2` times chunk.py and chunk_v2.py side by side); `--compile-report` needs no GPU: it compiles every
-chunk_v2 kernel for sm_90 and prints registers, local memory, shared memory and wgmma / mma counts.
+give at the measured matmul and copy peaks, and the decode step's time per token. Usage:
+python tools/bench_interdomain.py [--quick] [--only-ours]; `--compile-report` needs no GPU: it compiles every
+chunk.py kernel for sm_90 and prints registers, local memory, shared memory and wgmma / mma counts.
 """
 import argparse
 import os
@@ -19,8 +19,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from kernels.interdomain import chunk as ch  # noqa: E402
-from kernels.interdomain import chunk_v2 as ch2  # noqa: E402
-from kernels.interdomain import interdomain_attention  # noqa: E402
+from kernels.interdomain import interdomain_attention, interdomain_step  # noqa: E402
 from tools.benchutil import format_table, matmul_peak_tflops, peak_memory_mib, save_results, time_ms  # noqa: E402
 
 TOKENS, H, D = 65536, 16, 128
@@ -28,32 +27,7 @@ SUB = 16
 
 
 def cost_model(M, K=D, V=D, C=64):
-    """(fwd FLOPs, fwd+bwd FLOPs, fwd bytes, fwd+bwd bytes) per token and head for the kernels in chunk.py."""
-    def readout_a(Dx, deriv):
-        tiles = max(1, M // (16 if deriv else 32))
-        f = (4 if deriv else 2) * 2 * Dx * M + SUB * Dx * tiles + (16 if deriv else 8) * SUB * M
-        return 2 * f
-
-    def readout_o(Dz):
-        return 2 * (4 * M * Dz + 8 * SUB * M * max(1, Dz // 64) + SUB * Dz)
-
-    def scan(Dz, deriv=False):
-        return 2 * (4 if deriv else 2) * M * Dz
-
-    fwd = scan(K) + readout_a(K, False) + scan(V) + readout_o(V)
-    bwd = (scan(K, True) + readout_a(K, True) + scan(V, True) + readout_a(V, True) + scan(K) + readout_o(K)
-           + scan(K) + readout_o(K) + scan(V) + readout_o(V))
-    st = lambda Dz: 2 * M * Dz * 2 / C  # noqa: E731  one bf16 chunk-boundary state set, per token
-    per_tok = 8 * M  # one fp32 complex [T, M] coefficient tensor
-    fwd_b = (2 * K + st(K)) + (4 * K + st(K) + per_tok) + (2 * V + st(V)) + (2 * V + st(V) + per_tok * V // 64 + 2 * V)
-    bwd_b = ((2 * K + 2 * st(K)) + (4 * K + 2 * st(K) + 3 * per_tok) + (2 * V + 2 * st(V))
-             + (4 * V + 2 * st(V) + 4 * per_tok) + (2 * K + st(K)) + (2 * K + st(K) + 2 * per_tok + 2 * K)
-             + 2 * ((2 * K + st(K) + per_tok) + (2 * K + st(K) + per_tok + 2 * K)))
-    return fwd, fwd + bwd, fwd_b, fwd_b + bwd_b
-
-
-def cost_model_v2(M, K=D, V=D, C=64):
-    """(fwd FLOPs, fwd+bwd FLOPs, fwd bytes, fwd+bwd bytes) per token and head for the kernels in chunk_v2.py.
+    """(fwd FLOPs, fwd+bwd FLOPs, fwd bytes, fwd+bwd bytes) per token and head for the kernels in chunk.py.
 
     Tensor-core FLOPs only (2 m n k per dot, per token = per chunk / C; modes padded to BM); bf16 bytes with the
     chunk-boundary states (2 M D per chunk) and the per-token a, da (2 M each) counted once per read or write."""
@@ -76,7 +50,7 @@ def cost_model_v2(M, K=D, V=D, C=64):
 
 
 def compile_report(Ms=(32, 64), warps=(4, 8)):
-    """Offline sm_90 build of every chunk_v2 kernel at K = V = 128, C = 64, bf16: resource rows (no GPU needed)."""
+    """Offline sm_90 build of every chunk.py kernel at K = V = 128, C = 64, bf16: resource rows (no GPU needed)."""
     import triton
 
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
@@ -88,7 +62,7 @@ def compile_report(Ms=(32, 64), warps=(4, 8)):
                else "i32" for n in fn.arg_names}
         src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=consts)
         k = triton.compile(src, target=triton.backends.compiler.GPUTarget("cuda", 90, 32), options={"num_warps": nw})
-        path = Path("/tmp") / f"interdomain_v2_{os.getpid()}.cubin"
+        path = Path("/tmp") / f"interdomain_{os.getpid()}.cubin"
         path.write_bytes(k.asm["cubin"])
         res = subprocess.run([cuobjdump, "-res-usage", str(path)], capture_output=True, text=True).stdout
         path.unlink()
@@ -101,16 +75,16 @@ def compile_report(Ms=(32, 64), warps=(4, 8)):
     for M in Ms:
         common = dict(K=D, V=D, C=64, BM=max(16, 1 << (M - 1).bit_length()), BK=64, BV=64, PREC="tf32")
         for nw in warps:
-            for name, fn in (("fwd", ch2._fwd_kernel), ("bwd_a", ch2._bwd_a_kernel),
-                             ("bwd_main", ch2._bwd_main_kernel)):
+            for name, fn in (("fwd", ch._fwd_kernel), ("bwd_a", ch._bwd_a_kernel),
+                             ("bwd_main", ch._bwd_main_kernel)):
                 build(f"{name} M={M}", fn, common, nw)
     for bm, bd in ((32, 64), (16, 32)):
         for per_token in (False, True):
             consts = dict(C=64, BM=bm, BD=bd, PER_TOKEN=per_token, HAS_INIT=True, REV=per_token, PREC="tf32",
                           INTERPRET=False)
-            build(f"scan BM={bm} BD={bd} {'rev per-token' if per_token else 'fwd const-b'}", ch2._scan_kernel,
+            build(f"scan BM={bm} BD={bd} {'rev per-token' if per_token else 'fwd const-b'}", ch._scan_kernel,
                   consts, 4)
-    build("powers M=32", ch2._powers_kernel, dict(C=64, NP=128, BM=32), 4)
+    build("powers M=32", ch._powers_kernel, dict(C=64, NP=128, BM=32), 4)
     print(format_table(rows))
     return rows
 
@@ -121,7 +95,7 @@ def copy_peak_tbps():
     return 2 * x.numel() / (time_ms(lambda: y.copy_(x)) * 1e-3) / 1e12
 
 
-def ours(T, M, C, impl="v1"):
+def ours(T, M, C=64):
     B = TOKENS // T
     g = torch.Generator(device="cuda").manual_seed(0)
     q = torch.rand(B, T, H, D, device="cuda", generator=g).bfloat16().requires_grad_()
@@ -131,45 +105,26 @@ def ours(T, M, C, impl="v1"):
     decay.requires_grad_()
     b = torch.randn(H, M, 2, device="cuda").requires_grad_()
     do = torch.randn_like(v)
-    fwd = lambda: interdomain_attention(q, k, v, decay, b, chunk_size=C, impl=impl)[0]  # noqa: E731
+    fwd = lambda: interdomain_attention(q, k, v, decay, b, chunk_size=C)[0]  # noqa: E731
     fb = lambda: torch.autograd.backward(fwd(), do)  # noqa: E731
     return _measure(fwd, fb)
 
 
 def breakdown(T, M, C=64):
-    """Milliseconds of each forward kernel launch (scan U, readout_a, scan G, readout_o) and of the backward."""
+    """Milliseconds of each chunk.py launch: powers, one scan, the forward kernel, and the whole backward."""
     B = TOKENS // T
     q, k, v = (torch.rand(B, T, H, D, device="cuda").bfloat16() for _ in range(3))
     decay = torch.stack((-torch.rand(H, M, device="cuda") * 0.2, torch.rand(H, M, device="cuda")), -1)
     b = torch.randn(H, M, 2, device="cuda")
-    tabs = ch.Tables(decay, T, C, rev=False)
-    ub, _ = ch.scan_fwd(k, b, tabs, C)
-    a = ch.readout_a(q, k, ub, b, tabs, C)
-    gb, _ = ch.scan_fwd(v, b, tabs, C, coef=ch.CONST_B)
-    out = {"tables": time_ms(lambda: ch.Tables(decay, T, C, rev=False)),
-           "scan": time_ms(lambda: ch.scan_fwd(k, b, tabs, C)),
-           "scan_deriv": time_ms(lambda: ch.scan_fwd(k, b, tabs, C, deriv=True)),
-           "readout_a": time_ms(lambda: ch.readout_a(q, k, ub, b, tabs, C)),
-           "readout_o": time_ms(lambda: ch.readout_o(v, gb, b, tabs, C, r=a)),
+    pw = ch.powers(decay, C)
+    out = {"powers": time_ms(lambda: ch.powers(decay, C)),
+           "scan": time_ms(lambda: ch.scan(k, b, pw, C)),
+           "fwd_total": time_ms(lambda: ch.interdomain_fwd(q, k, v, decay, b, chunk_size=C)),
            "bwd_total": time_ms(lambda: ch.interdomain_bwd(q, k, v, decay, b, None, None, v, None, None, C))}
     return {k: round(x, 3) for k, x in out.items()}
 
 
-def breakdown_v2(T, M, C=64):
-    """Milliseconds of each chunk_v2 launch: powers, one scan, the forward kernel, and the whole backward."""
-    B = TOKENS // T
-    q, k, v = (torch.rand(B, T, H, D, device="cuda").bfloat16() for _ in range(3))
-    decay = torch.stack((-torch.rand(H, M, device="cuda") * 0.2, torch.rand(H, M, device="cuda")), -1)
-    b = torch.randn(H, M, 2, device="cuda")
-    pw = ch2.powers(decay, C)
-    out = {"powers": time_ms(lambda: ch2.powers(decay, C)),
-           "scan": time_ms(lambda: ch2.scan(k, b, pw, C)),
-           "fwd_total": time_ms(lambda: ch2.interdomain_fwd(q, k, v, decay, b, chunk_size=C)),
-           "bwd_total": time_ms(lambda: ch2.interdomain_bwd(q, k, v, decay, b, None, None, v, None, None, C))}
-    return {k: round(x, 3) for k, x in out.items()}
-
-
-def _with_warps(warps, fn, table=ch.NUM_WARPS):
+def _with_warps(warps, fn, table):
     saved = dict(table)
     table.update(warps)
     try:
@@ -221,49 +176,60 @@ def row(name, T, M, res):
             "fwdbwd_Mtok/s": TOKENS / t_fb / 1e3, "peak_MiB": mem}
 
 
+def decode_step(B, M):
+    """Microseconds per interdomain_step call (one token, B rows, H heads, K = V = 128, bf16) after a warm-up."""
+    q, k, v = (torch.randn(B, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    decay = torch.stack((-torch.rand(H, M, device="cuda") * 0.2, torch.rand(H, M, device="cuda")), -1)
+    b = torch.randn(H, M, 2, device="cuda")
+    state = (torch.zeros(B, H, M, 2, D, device="cuda"), torch.zeros(B, H, M, 2, D, device="cuda"))
+    return time_ms(lambda: interdomain_step(q, k, v, decay, b, state)) * 1e3
+
+
+def jobs_for(Ts, only_ours):
+    jobs = [("interdomain C=64", T, 32, lambda T=T: ours(T, 32)) for T in Ts]
+    jobs += [("breakdown", T, 32, lambda T=T: breakdown(T, 32)) for T in (2048, 65536)]
+    for nw in (4, 8):
+        warps = {"fwd": nw, "bwd_a": nw, "bwd_main": nw}
+        jobs.append((f"interdomain C=64 warps={nw}", 8192, 32,
+                     lambda w=warps: _with_warps(w, lambda: ours(8192, 32), ch.NUM_WARPS)))
+    jobs += [("interdomain C=64", T, 64, lambda T=T: ours(T, 64)) for T in Ts]
+    if not only_ours:
+        jobs += [(f"sdpa-{be}", T, "-", lambda T=T, be=be: sdpa(T, be)) for be in ("flash", "cudnn") for T in Ts]
+        jobs += [("fla-gdn fwd", T, "-", lambda T=T: fla_gdn(T)) for T in Ts]
+    return jobs
+
+
+def model_rows():
+    mm_peak, bw_peak = matmul_peak_tflops(), copy_peak_tbps()
+    rows, model = [], {}
+    for M in (32, 64):
+        f_f, f_fb, b_f, b_fb = cost_model(M)
+        model[f"M={M}"] = [round(x / 1e3, 1) for x in (f_f, f_fb, b_f, b_fb)]
+        th = TOKENS * H
+        floor_f = max(th * f_f / (mm_peak * 1e12), th * b_f / (bw_peak * 1e12)) * 1e3
+        floor_fb = max(th * f_fb / (mm_peak * 1e12), th * b_fb / (bw_peak * 1e12)) * 1e3
+        rows.append({"op": "model C=64", "T": "any", "M": M, "fwd_ms": floor_f, "fwdbwd_ms": floor_fb,
+                     "fwd_Mtok/s": TOKENS / floor_f / 1e3, "fwdbwd_Mtok/s": TOKENS / floor_fb / 1e3,
+                     "peak_MiB": float("nan")})
+    extra = {"cost_model_kflop_kB_per_token_head (fwd, fwd+bwd FLOP; fwd, fwd+bwd bytes)": model,
+             "matmul_peak_tflops": round(mm_peak, 1), "copy_peak_tbps": round(bw_peak, 2)}
+    return rows, extra
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="T in {2K, 8K} only")
     ap.add_argument("--budget-s", type=float, default=170.0, help="skip the remaining rows after this many seconds")
     ap.add_argument("--only-ours", action="store_true", help="skip the SDPA and fla rows")
-    ap.add_argument("--impl", nargs="+", default=["v1"], choices=["v1", "v2"],
-                    help="implementations to time (v2 rows are named interdomain-v2)")
-    ap.add_argument("--compile-report", action="store_true", help="offline sm_90 resources of chunk_v2 (no GPU)")
+    ap.add_argument("--compile-report", action="store_true", help="offline sm_90 resources of chunk.py (no GPU)")
     args = ap.parse_args()
     if args.compile_report:
         compile_report()
         return
     start = time.time()
     Ts = [2048, 8192] if args.quick else [2048, 4096, 8192, 16384, 65536]
-    mine = lambda M, C, Ts=Ts: [(f"interdomain C={C}", T, M, lambda T=T: ours(T, M, C)) for T in Ts]  # noqa: E731
-    jobs = []
-    if "v2" in args.impl:
-        # first, so that a short budget still measures the new kernels against v1's recorded rows
-        jobs += [("interdomain-v2 C=64", T, 32, lambda T=T: ours(T, 32, 64, "v2")) for T in Ts]
-        jobs += [("breakdown-v2", T, 32, lambda T=T: breakdown_v2(T, 32)) for T in (2048, 65536)]
-        for nw in (4, 8):
-            warps = {"fwd": nw, "bwd_a": nw, "bwd_main": nw}
-            jobs.append((f"interdomain-v2 C=64 warps={nw}", 8192, 32,
-                         lambda w=warps: _with_warps(w, lambda: ours(8192, 32, 64, "v2"), ch2.NUM_WARPS)))
-        for cap in (128, 168):
-            caps = {"fwd": cap, "bwd_a": cap, "bwd_main": cap}
-            jobs.append((f"interdomain-v2 C=64 maxnreg={cap}", 8192, 32,
-                         lambda c=caps: _with_warps(c, lambda: ours(8192, 32, 64, "v2"), ch2.MAXNREG)))
-        jobs += [("interdomain-v2 C=64", T, 64, lambda T=T: ours(T, 64, 64, "v2")) for T in Ts]
-    if "v1" in args.impl:
-        jobs += mine(32, 64) + [("breakdown", T, 32, lambda T=T: breakdown(T, 32)) for T in (2048, 65536)]
-    if not args.only_ours:
-        jobs += [(f"sdpa-{be}", T, "-", lambda T=T, be=be: sdpa(T, be)) for be in ("flash", "cudnn") for T in Ts]
-        jobs += [("fla-gdn fwd", T, "-", lambda T=T: fla_gdn(T)) for T in Ts]
-    default = dict(ch.NUM_WARPS)
-    if "v1" in args.impl:
-        jobs += mine(64, 64)
-        for warps in ({"scan": 4, "readout_a": 4, "readout_o": 4}, {"scan": 8, "readout_a": 8, "readout_o": 8}):
-            jobs.append((f"interdomain C=64 warps={warps['scan']}/{warps['readout_a']}/{warps['readout_o']}", 8192,
-                         32, lambda w=warps: _with_warps(w, lambda: ours(8192, 32, 64))))
-        jobs += mine(32, 128, [2048, 8192, 65536])
-    rows = []
-    for name, T, M, fn in jobs:
+    rows, extra = [], {}
+    for name, T, M, fn in jobs_for(Ts, args.only_ours):
         if time.time() - start > args.budget_s:
             print(f"skipped {name} T={T} M={M}: over the time budget", flush=True)
             continue
@@ -271,34 +237,18 @@ def main():
             res = fn()
             if name.startswith("breakdown"):
                 print(f"breakdown ms T={T} M={M}:", res, flush=True)
+                extra[f"breakdown ms T={T} M={M}"] = res
                 continue
             rows.append(row(name, T, M, res))
             print(format_table(rows[-1:]), flush=True)
         except Exception as e:  # a backend missing on this GPU must not lose the other rows
             print(f"{name} T={T} M={M} failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
         torch.cuda.empty_cache()
-    ch.NUM_WARPS.update(default)
-    mm_peak, bw_peak = matmul_peak_tflops(), copy_peak_tbps()
-    models = [(impl, {"v1": cost_model, "v2": cost_model_v2}[impl]) for impl in args.impl]
-    for impl, fn in models:
-        for M in (32, 64):
-            f_f, f_fb, b_f, b_fb = fn(M)
-            th = TOKENS * H
-            floor_f = max(th * f_f / (mm_peak * 1e12), th * b_f / (bw_peak * 1e12)) * 1e3
-            floor_fb = max(th * f_fb / (mm_peak * 1e12), th * b_fb / (bw_peak * 1e12)) * 1e3
-            name = "model C=64" if impl == "v1" else "model-v2 C=64"
-            rows.append({"op": name, "T": "any", "M": M, "fwd_ms": floor_f, "fwdbwd_ms": floor_fb,
-                         "fwd_Mtok/s": TOKENS / floor_f / 1e3, "fwdbwd_Mtok/s": TOKENS / floor_fb / 1e3,
-                         "peak_MiB": float("nan"), "kflop_fwd": f_f / 1e3, "kflop_fb": f_fb / 1e3,
-                         "kB_fwd": b_f / 1e3, "kB_fb": b_fb / 1e3})
-    model = {(f"M={M}" if impl == "v1" else f"{impl} M={M}"): [round(x / 1e3, 1) for x in fn(M)]
-             for impl, fn in models for M in (32, 64)}
-    extra = {"num_warps of the main rows": default,
-             "cost_model_kflop_kB_per_token_head (fwd, fwd+bwd FLOP; fwd, fwd+bwd bytes)": model,
-             "matmul_peak_tflops": round(mm_peak, 1), "copy_peak_tbps": round(bw_peak, 2),
-             "shape": f"B*T={TOKENS}, H={H}, K=V={D}, bf16; model rows = max(FLOP, byte) floor per token-head"}
-    if "v2" in args.impl:
-        extra["num_warps of the v2 rows"] = dict(ch2.NUM_WARPS)
+    extra["decode step us (B=1, 16, 128; M=32)"] = [round(decode_step(B, 32), 1) for B in (1, 16, 128)]
+    more_rows, more = model_rows()
+    rows += more_rows
+    extra.update(more, num_warps=dict(ch.NUM_WARPS),
+                 shape=f"B*T={TOKENS}, H={H}, K=V={D}, bf16; model rows = max(FLOP, byte) floor per token-head")
     print(format_table(rows))
     print(extra)
     print(save_results("interdomain", rows, extra))
