@@ -1,8 +1,8 @@
 """All mixer-op benchmarks in one GPU call, then the NAtS-L layer-level target from their results.
 
 Runs tools/bench_interdomain.py, bench_nats_gdn.py and bench_nats_attention.py in turn (each writes
-tools/results/<op>-<date>.{json,md}), then reads the NAtS results and reports, at T = 4K with 25 % attention
-chunks, (selected GDN + selected attention) fwd+bwd over GDN alone (our selected GDN with 0 % kept chunks,
+tools/results/<op>-<date>.{json,md}), then reads the results and reports the Interdomain targets and, at T = 4K
+with 25 % attention chunks, (selected GDN + selected attention) fwd+bwd over GDN alone (our selected GDN with 0 % kept chunks,
 since fla's gated backward is refused on Hopper with Triton 3.6).
 
     python tools/bench_mixers.py [--ops interdomain nats-gdn nats-attention] [--summary-only]
@@ -22,6 +22,8 @@ SCRIPTS = {
 }
 NATS_TARGET = 1.4  # issue 4: both ops fwd+bwd <= 1.4x GDN alone at T = 4K, 25 % attention chunks
 SDPA_SPEEDUP_TARGET = 2.0  # issue 4: at T = 16K, >= 2x faster than causal SDPA (a d = 2048 layer: 16 heads x 128)
+# issue 3: Interdomain M = 32 fwd+bwd >= 10M tokens/s, flat within 15 % from 2K to 64K, >= 2x faster than SDPA at 8K
+ID_MTOKS_TARGET, ID_FLAT_TARGET, ID_SDPA_T = 10.0, 0.15, 8192
 
 
 def latest_rows(name: str) -> list[dict]:
@@ -44,10 +46,25 @@ def nats_vs_sdpa(T: int = 16384, kept: float = 0.25) -> dict:
     """Both NAtS-L ops against the fastest causal SDPA backend of a softmax layer of the same width."""
     gdn = {(r["T"], r["kept_%"]): r["fwd_bwd_ms"] for r in latest_rows("nats-gdn")}
     attn = {(r["T"], r["kept"]): r["ours_ms"] for r in latest_rows("nats-attention") if r["pass"] == "fwd+bwd"}
-    sdpa = min(r["fwdbwd_ms"] for r in latest_rows("interdomain-baselines") if r["op"].startswith("sdpa")
+    sdpa = min(r["fwdbwd_ms"] for r in latest_rows("interdomain") if r["op"].startswith("sdpa")
                and r["T"] == T)
     both = gdn[(T, round(kept * 100))] + attn[(T, kept)]
     return {"both_ms": both, "sdpa_ms": sdpa, "speedup": sdpa / both, "met": sdpa / both >= SDPA_SPEEDUP_TARGET}
+
+
+def interdomain_summary(M: int = 32) -> dict:
+    rows = latest_rows("interdomain")
+    ours = {r["T"]: r for r in rows if r["op"] == "interdomain C=64" and r["M"] == M}
+    rates = [r["fwdbwd_Mtok/s"] for r in ours.values()]
+    sdpa = min(r["fwdbwd_ms"] for r in rows if r["op"].startswith("sdpa") and r["T"] == ID_SDPA_T)
+    spread = max(rates) / min(rates) - 1
+    speedup = sdpa / ours[ID_SDPA_T]["fwdbwd_ms"]
+    return {"Mtoks": (min(rates), max(rates)), "spread": spread, "sdpa_ms": sdpa, "speedup": speedup,
+            "met": (min(rates) >= ID_MTOKS_TARGET, spread <= ID_FLAT_TARGET, speedup >= 2.0)}
+
+
+def _met(ok: bool) -> str:
+    return "met" if ok else "NOT met"
 
 
 def main():
@@ -59,15 +76,20 @@ def main():
         for op in args.ops:
             print(f"== {op} ({datetime.datetime.now():%H:%M:%S})", flush=True)
             subprocess.run([sys.executable, str(TOOLS / SCRIPTS[op])], check=True)
+    ids = interdomain_summary()
+    print(f"Interdomain M=32 fwd+bwd, 2K-64K: {ids['Mtoks'][0]:.2f}-{ids['Mtoks'][1]:.2f} M tok/s (target >= "
+          f"{ID_MTOKS_TARGET}: {_met(ids['met'][0])}); spread {ids['spread']:.0%} (target <= {ID_FLAT_TARGET:.0%}: "
+          f"{_met(ids['met'][1])}); at 8K {ids['speedup']:.2f}x causal SDPA's {ids['sdpa_ms']:.2f} ms (target >= 2: "
+          f"{_met(ids['met'][2])})")
     summary = nats_summary()
     print("NAtS-L ops at T=4K, 25% attention chunks, fwd+bwd: "
           f"GDN {summary['gdn_ms']:.2f} ms + attention {summary['attention_ms']:.2f} ms = "
           f"{summary['ratio']:.2f}x GDN alone ({summary['gdn_alone_ms']:.2f} ms); target <= {NATS_TARGET}: "
-          f"{'met' if summary['met'] else 'NOT met'}")
+          f"{_met(summary['met'])}")
     vs = nats_vs_sdpa()
     print(f"NAtS-L ops at T=16K, 25%: {vs['both_ms']:.2f} ms vs causal SDPA 16x128 (fastest backend) "
           f"{vs['sdpa_ms']:.2f} ms = {vs['speedup']:.2f}x; target >= {SDPA_SPEEDUP_TARGET}: "
-          f"{'met' if vs['met'] else 'NOT met'}")
+          f"{_met(vs['met'])}")
 
 
 if __name__ == "__main__":
