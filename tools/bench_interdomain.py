@@ -111,17 +111,46 @@ def ours(T, M, C=64):
 
 
 def breakdown(T, M, C=64):
-    """Milliseconds of each chunk.py launch: powers, one scan, the forward kernel, and the whole backward."""
+    """Milliseconds of each chunk.py launch of fwd+bwd (the scans with SCAN_HOIST off and on), and the totals."""
     B = TOKENS // T
-    q, k, v = (torch.rand(B, T, H, D, device="cuda").bfloat16() for _ in range(3))
+    NC = T // C
+    q, k, v, do = (torch.rand(B, T, H, D, device="cuda").bfloat16() for _ in range(4))
     decay = torch.stack((-torch.rand(H, M, device="cuda") * 0.2, torch.rand(H, M, device="cuda")), -1)
     b = torch.randn(H, M, 2, device="cuda")
     pw = ch.powers(decay, C)
+    ub, _ = ch.scan(k, b, pw, C)
+    gb, _ = ch.scan(v, b, pw, C)
+    a, da = (q.new_empty(B, T, H, 2, M) for _ in range(2))
+    part = q.new_empty(B, H, NC, 4, M, dtype=torch.float32)
+    sizes, grid = ch._sizes(q, v, b), (NC, B * H)
     out = {"powers": time_ms(lambda: ch.powers(decay, C)),
-           "scan": time_ms(lambda: ch.scan(k, b, pw, C)),
-           "fwd_total": time_ms(lambda: ch.interdomain_fwd(q, k, v, decay, b, chunk_size=C)),
-           "bwd_total": time_ms(lambda: ch.interdomain_bwd(q, k, v, decay, b, None, None, v, None, None, C))}
+           "fwd kernel": time_ms(lambda: ch._fwd_kernel[grid](q, k, v, ub, gb, b, pw, do, T, NC, H, M, C=C, **sizes,
+                                                               num_warps=ch.NUM_WARPS["fwd"])),
+           "bwd_a": time_ms(lambda: ch._bwd_a_kernel[grid](q, k, v, do, ub, gb, b, pw, a, da, part, T, NC, H, M, C=C,
+                                                            **sizes, num_warps=ch.NUM_WARPS["bwd_a"]))}
+    dq, dk, dv = (torch.empty_like(q) for _ in range(3))
+    for hoist in (False, True):
+        ch.SCAN_HOIST = hoist
+        out[f"scan hoist={hoist}"] = time_ms(lambda: ch.scan(k, b, pw, C))
+        out[f"scan rev per-token hoist={hoist}"] = time_ms(lambda: ch.scan(q, b, pw, C, c=da, rev=True))
+    ch.SCAN_HOIST = False
+    rub, _ = ch.scan(q, b, pw, C, c=da, rev=True)
+    rgb, _ = ch.scan(do, b, pw, C, c=a, rev=True)
+    out["bwd_main"] = time_ms(lambda: ch._bwd_main_kernel[grid](q, k, v, do, a, da, ub, gb, rub, rgb, b, pw, dq, dk,
+                                                                 dv, part, T, NC, H, M, C=C, **sizes,
+                                                                 num_warps=ch.NUM_WARPS["bwd_main"]))
+    out["fwd total"] = time_ms(lambda: ch.interdomain_fwd(q, k, v, decay, b, chunk_size=C))
+    out["bwd total"] = time_ms(lambda: ch.interdomain_bwd(q, k, v, decay, b, None, None, do, None, None, C))
     return {k: round(x, 3) for k, x in out.items()}
+
+
+def _with_attr(obj, name, value, fn):
+    saved = getattr(obj, name)
+    setattr(obj, name, value)
+    try:
+        return fn()
+    finally:
+        setattr(obj, name, saved)
 
 
 def _with_warps(warps, fn, table):
@@ -177,12 +206,20 @@ def row(name, T, M, res):
 
 
 def decode_step(B, M):
-    """Microseconds per interdomain_step call (one token, B rows, H heads, K = V = 128, bf16) after a warm-up."""
-    q, k, v = (torch.randn(B, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    """Microseconds of one interdomain_step call (one token, B rows, H heads, K = V = 128, bf16), and of its kernel
+    replayed from a CUDA graph (no host work: what a graph-captured decode loop pays)."""
+    from kernels.interdomain.recurrent import interdomain_recurrent_fwd
+
+    q, k, v = (torch.randn(B, 1, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     decay = torch.stack((-torch.rand(H, M, device="cuda") * 0.2, torch.rand(H, M, device="cuda")), -1)
     b = torch.randn(H, M, 2, device="cuda")
     state = (torch.zeros(B, H, M, 2, D, device="cuda"), torch.zeros(B, H, M, 2, D, device="cuda"))
-    return time_ms(lambda: interdomain_step(q, k, v, decay, b, state)) * 1e3
+    call = time_ms(lambda: interdomain_step(q[:, 0], k[:, 0], v[:, 0], decay, b, state)) * 1e3
+    interdomain_recurrent_fwd(q, k, v, decay, b, state, False)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        interdomain_recurrent_fwd(q, k, v, decay, b, state, False)
+    return round(call, 1), round(time_ms(graph.replay) * 1e3, 1)
 
 
 def jobs_for(Ts, only_ours):
@@ -192,6 +229,8 @@ def jobs_for(Ts, only_ours):
         warps = {"fwd": nw, "bwd_a": nw, "bwd_main": nw}
         jobs.append((f"interdomain C=64 warps={nw}", 8192, 32,
                      lambda w=warps: _with_warps(w, lambda: ours(8192, 32), ch.NUM_WARPS)))
+    hoisted = lambda T: _with_attr(ch, "SCAN_HOIST", True, lambda: ours(T, 32))  # noqa: E731
+    jobs += [("interdomain C=64 scan-hoist", T, 32, lambda T=T: hoisted(T)) for T in (2048, 16384, 65536)]
     jobs += [("interdomain C=64", T, 64, lambda T=T: ours(T, 64)) for T in Ts]
     if not only_ours:
         jobs += [(f"sdpa-{be}", T, "-", lambda T=T, be=be: sdpa(T, be)) for be in ("flash", "cudnn") for T in Ts]
@@ -244,7 +283,7 @@ def main():
         except Exception as e:  # a backend missing on this GPU must not lose the other rows
             print(f"{name} T={T} M={M} failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
         torch.cuda.empty_cache()
-    extra["decode step us (B=1, 16, 128; M=32)"] = [round(decode_step(B, 32), 1) for B in (1, 16, 128)]
+    extra["decode step us, call and graph replay (B=1, 16, 128; M=32)"] = [decode_step(B, 32) for B in (1, 16, 128)]
     more_rows, more = model_rows()
     rows += more_rows
     extra.update(more, num_warps=dict(ch.NUM_WARPS),

@@ -1,9 +1,9 @@
-"""All mixer-op benchmarks in one GPU call, then the NAtS-L layer-level target from their results.
+"""All mixer-op benchmarks in one GPU call, then the targets of issues 3 and 4 from their results.
 
 Runs tools/bench_interdomain.py, bench_nats_gdn.py and bench_nats_attention.py in turn (each writes
 tools/results/<op>-<date>.{json,md}), then reads the results and reports the Interdomain targets and, at T = 4K
-with 25 % attention chunks, (selected GDN + selected attention) fwd+bwd over GDN alone (our selected GDN with 0 % kept chunks,
-since fla's gated backward is refused on Hopper with Triton 3.6).
+with 25 % attention chunks, (selected GDN + selected attention) fwd+bwd over GDN alone (our selected GDN with 0 %
+kept chunks, since fla's gated backward is refused on Hopper with Triton 3.6).
 
     python tools/bench_mixers.py [--ops interdomain nats-gdn nats-attention] [--summary-only]
 """

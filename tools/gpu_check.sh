@@ -14,5 +14,5 @@ if [ "$mode" != bench-only ]; then
     | tee "${OUT:-/tmp}/gpu-tests.log" | grep -E "FAILED|ERROR|Timeout|passed|failed"
 fi
 if [ "$mode" != pytest-only ]; then
-  timeout -k 5 250 python3 tools/bench_interdomain.py --budget-s 170 2>&1 | tee "${OUT:-/tmp}/bench.log" | tail -45
+  timeout -k 5 280 python3 tools/bench_interdomain.py --budget-s 200 2>&1 | tee "${OUT:-/tmp}/bench.log" | tail -45
 fi

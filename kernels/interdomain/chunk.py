@@ -103,9 +103,113 @@ def _scan_step(it, xr, xi, cbr, cbi, z_ptr, c_ptr, pw, xb_ptr, i_b, i_h, i_bh, o
 
 
 @triton.jit
+def _full_tables(cbr, cbi, pw, om, oc, mm, M, C: tl.constexpr, PER_TOKEN: tl.constexpr, REV: tl.constexpr):
+    """Decay tables shared by every full chunk: E [BM, C] = b lam^(C-1-j) (forward; without b when coefficients
+    are per token) or conj(lam)^(j+1) (reverse, per token), and lam^C [BM] (conjugated in reverse)."""
+    if REV:
+        e = oc + 1
+    else:
+        e = C - 1 - oc
+    er, ei = _pow(pw, e[None, :], om[:, None], mm[:, None], M)
+    if REV:
+        ei = -ei
+    if not PER_TOKEN:
+        er, ei = _cmul(er, ei, cbr, cbi)
+    lr, li = _pow(pw, C, om, mm, M)
+    if REV:
+        li = -li
+    return er, ei, lr, li
+
+
+@triton.jit
+def _load_c(c_ptr, ic, i_b, i_h, om, oc, mm, T, H, M, C: tl.constexpr):
+    """Per-token coefficients of chunk ic as [BM, C] fp32 (re, im); rows past T read as 0 (T < C)."""
+    row = (i_b * T + ic * C + oc) * H + i_h
+    pc = c_ptr + row[None, :] * 2 * M + om[:, None]
+    mk = mm[:, None] & (ic * C + oc < T)[None, :]
+    return tl.load(pc, mask=mk, other=0.0).to(tl.float32), tl.load(pc + M, mask=mk, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _load_z(z_ptr, ic, i_b, i_h, od, oc, md, T, H, D, C: tl.constexpr):
+    """Features of chunk ic as a [C, BD] tile in z's dtype; rows past T read as 0 (T < C)."""
+    row = (i_b * T + ic * C + oc) * H + i_h
+    return tl.load(z_ptr + row[:, None] * D + od[None, :], mask=(ic * C + oc < T)[:, None] & md[None, :], other=0.0)
+
+
+@triton.jit
+def _scan_full_step(j, xr, xi, fr, fi, lr, li, zt, cr, ci, z_ptr, c_ptr, xb_ptr, i_b, i_h, i_bh, om, od, oc, mm,
+                    md, T, NF, NC, H, D, M, C: tl.constexpr, PER_TOKEN: tl.constexpr, REV: tl.constexpr,
+                    PREC: tl.constexpr):
+    """Full chunk number j of the scan with the hoisted tables. zt and (cr, ci) are this chunk's features and
+    per-token coefficients, loaded one chunk ahead (the compiler's pipeliner leaves this loop alone) so that
+    their latency overlaps the previous chunk's products; returns the next chunk's."""
+    DT = z_ptr.dtype.element_ty
+    if REV:
+        ic = NF - 1 - j
+        nxt = tl.maximum(ic - 1, 0)
+    else:
+        ic = j
+        nxt = tl.minimum(ic + 1, NF - 1)
+    st = om[:, None] * D + od[None, :]
+    mmd = mm[:, None] & md[None, :]
+    pb = xb_ptr + (i_bh * NC + ic) * 2 * M * D
+    tl.store(pb + st, xr.to(xb_ptr.dtype.element_ty), mask=mmd)
+    tl.store(pb + M * D + st, xi.to(xb_ptr.dtype.element_ty), mask=mmd)
+    zc = zt.to(DT)
+    zt = _load_z(z_ptr, nxt, i_b, i_h, od, oc, md, T, H, D, C)
+    er, ei = fr, fi
+    if PER_TOKEN:
+        er, ei = _cmul(fr, fi, cr, ci)
+        cr, ci = _load_c(c_ptr, nxt, i_b, i_h, om, oc, mm, T, H, M, C)
+    xr, xi = _cmul(lr[:, None], li[:, None], xr, xi)
+    xr += tl.dot(er.to(DT), zc, input_precision=PREC)
+    xi += tl.dot(ei.to(DT), zc, input_precision=PREC)
+    return xr, xi, zt, cr, ci
+
+
+@triton.jit
+def _scan_hoisted(xr, xi, cbr, cbi, z_ptr, c_ptr, pw, xb_ptr, i_b, i_h, i_bh, om, od, oc, mm, md, T, NC, H, D, M,
+                  C: tl.constexpr, PER_TOKEN: tl.constexpr, REV: tl.constexpr, PREC: tl.constexpr,
+                  INTERPRET: tl.constexpr):
+    """The chunk loop with the decay tables of full chunks computed once; a partial chunk (T % C tokens, the last
+    in time: first in reverse) takes the general step."""
+    NF = T // C
+    fr, fi, lr, li = _full_tables(cbr, cbi, pw, om, oc, mm, M, C, PER_TOKEN, REV)
+    if REV:
+        if NF < NC:
+            xr, xi = _scan_step(0, xr, xi, cbr, cbi, z_ptr, c_ptr, pw, xb_ptr, i_b, i_h, i_bh, om, od, oc, mm, md,
+                                T, NC, H, D, M, C, PER_TOKEN, REV, PREC)
+    first = 0
+    if REV:
+        first = tl.maximum(NF - 1, 0)
+    zt = _load_z(z_ptr, first, i_b, i_h, od, oc, md, T, H, D, C)
+    cr, ci = fr, fi
+    if PER_TOKEN:
+        cr, ci = _load_c(c_ptr, first, i_b, i_h, om, oc, mm, T, H, M, C)
+    if INTERPRET:
+        j = 0
+        while j < NF:
+            xr, xi, zt, cr, ci = _scan_full_step(j, xr, xi, fr, fi, lr, li, zt, cr, ci, z_ptr, c_ptr, xb_ptr, i_b,
+                                                 i_h, i_bh, om, od, oc, mm, md, T, NF, NC, H, D, M, C, PER_TOKEN, REV,
+                                                 PREC)
+            j += 1
+    else:
+        for j in range(NF):
+            xr, xi, zt, cr, ci = _scan_full_step(j, xr, xi, fr, fi, lr, li, zt, cr, ci, z_ptr, c_ptr, xb_ptr, i_b,
+                                                 i_h, i_bh, om, od, oc, mm, md, T, NF, NC, H, D, M, C, PER_TOKEN, REV,
+                                                 PREC)
+    if not REV:
+        if NF < NC:
+            xr, xi = _scan_step(NC - 1, xr, xi, cbr, cbi, z_ptr, c_ptr, pw, xb_ptr, i_b, i_h, i_bh, om, od, oc, mm,
+                                md, T, NC, H, D, M, C, PER_TOKEN, REV, PREC)
+    return xr, xi
+
+
+@triton.jit
 def _scan_kernel(z_ptr, c_ptr, b_ptr, pw_ptr, x0_ptr, xb_ptr, xf_ptr, T, NC, H, D, M, C: tl.constexpr,
                  BM: tl.constexpr, BD: tl.constexpr, PER_TOKEN: tl.constexpr, HAS_INIT: tl.constexpr,
-                 REV: tl.constexpr, PREC: tl.constexpr, INTERPRET: tl.constexpr):
+                 REV: tl.constexpr, PREC: tl.constexpr, HOIST: tl.constexpr, INTERPRET: tl.constexpr):
     i_bh, i_d, i_m = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // H, i_bh % H
     om = i_m * BM + tl.arange(0, BM)
@@ -123,8 +227,11 @@ def _scan_kernel(z_ptr, c_ptr, b_ptr, pw_ptr, x0_ptr, xb_ptr, xf_ptr, T, NC, H, 
         xi = tl.load(p0 + M * D + st, mask=mmd, other=0.0)
     cbr = tl.load(b_ptr + (i_h * M + om) * 2, mask=mm, other=0.0)[:, None]
     cbi = tl.load(b_ptr + (i_h * M + om) * 2 + 1, mask=mm, other=0.0)[:, None]
+    if HOIST:
+        xr, xi = _scan_hoisted(xr, xi, cbr, cbi, z_ptr, c_ptr, pw, xb_ptr, i_b, i_h, i_bh, om, od, oc, mm, md, T, NC,
+                               H, D, M, C, PER_TOKEN, REV, PREC, INTERPRET)
     # the interpreter (numpy >= 2.4) cannot take a runtime range() bound; compiled code keeps the for loop
-    if INTERPRET:
+    elif INTERPRET:
         it = 0
         while it < NC:
             xr, xi = _scan_step(it, xr, xi, cbr, cbi, z_ptr, c_ptr, pw, xb_ptr, i_b, i_h, i_bh, om, od, oc, mm, md,
@@ -418,6 +525,10 @@ def _bwd_main_kernel(q_ptr, k_ptr, v_ptr, do_ptr, a_ptr, da_ptr, ub_ptr, gb_ptr,
 # measured on the H200 (tools/results/interdomain-v2-2026-11-30.md): 4 warps beat 8 (14.6 vs 17.7 ms fwd+bwd at
 # 8K); capping registers at 128 or 168 per thread (more programs per SM) spills and was slower (22.4, 18.1 ms)
 NUM_WARPS = {"scan": 4, "fwd": 4, "bwd_a": 4, "bwd_main": 4}
+# scan with the full-chunk decay tables hoisted out of the chunk loop and per-token coefficients loaded one chunk
+# ahead (#3: the sequential loop is latency-bound at 64K, where only B*H = 16 rows run). Correct in the
+# interpreter; off until the GPU tests and tools/bench_interdomain.py's "scan-hoist" rows have run on an H200.
+SCAN_HOIST = False
 
 
 def powers(decay: torch.Tensor, C: int) -> torch.Tensor:
@@ -447,7 +558,7 @@ def scan(z, b, pw, C, c=None, x0=None, rev=False):
     grid = (B * H, triton.cdiv(D, BD), triton.cdiv(M, BM))
     _scan_kernel[grid](z, c if c is not None else z, b, pw, x0 if x0 is not None else z, xb, xf, T, NC, H, D, M,
                        C=C, BM=BM, BD=BD, PER_TOKEN=c is not None, HAS_INIT=x0 is not None, REV=rev,
-                       PREC=_prec(z), INTERPRET=_interpret(), num_warps=NUM_WARPS["scan"])
+                       PREC=_prec(z), HOIST=SCAN_HOIST, INTERPRET=_interpret(), num_warps=NUM_WARPS["scan"])
     return xb, xf
 
 

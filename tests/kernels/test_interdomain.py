@@ -122,6 +122,20 @@ def test_step_repeated_equals_chunk(normalize):
     assert_close(o1, o[:, 0], FP32_TOL, "one step")
 
 
+@pytest.fixture
+def scan_hoist(monkeypatch):
+    from kernels.interdomain import chunk
+
+    monkeypatch.setattr(chunk, "SCAN_HOIST", True)
+
+
+@pytest.mark.parametrize("T,C,init", [(63, 64, True), (64, 64, False), (100, 32, True), (300, 64, True)])
+def test_hoisted_scan_matches_naive(nan_empty, scan_hoist, T, C, init):
+    """The scan with hoisted full-chunk tables (chunk.SCAN_HOIST): no full chunk, only full chunks, a partial one."""
+    inputs = make_inputs(1, T, 2, 16, 24, 8, init=init, strong=T == 300)
+    compare(inputs, FP32_TOL, chunk_size=C)
+
+
 def _bad(**over):
     q, k, v, decay, b, u0, g0 = make_inputs(1, 8, 2, 16, 16, 4, device="cpu")
     args = dict(q=q, k=k, v=v, decay=decay, b=b, initial_state=(u0, g0), chunk_size=64)
@@ -167,6 +181,13 @@ def test_chunk_matches_naive_gpu_bf16(nan_empty, T, M, normalize):
 def test_strong_decay_gpu_bf16(nan_empty):
     inputs = make_inputs(2, 200, 2, 128, 128, 32, dtype=torch.bfloat16, strong=True)
     compare(inputs, BF16_TOL, BF16_GRAD_TOL)
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("T,M", [(300, 32), (1000, 64)])
+def test_hoisted_scan_gpu_bf16(nan_empty, scan_hoist, T, M):
+    compare(make_inputs(2, T, 3, 128, 128, M, dtype=torch.bfloat16), BF16_TOL, BF16_GRAD_TOL)
 
 
 # Fused recurrent kernel (recurrent.py): forward only, decoding and short prompts
