@@ -73,17 +73,21 @@ def compile_report(Ms=(32, 64), warps=(4, 8)):
         print(format_table(rows[-1:]), flush=True)
 
     for M in Ms:
-        common = dict(K=D, V=D, C=64, BM=max(16, 1 << (M - 1).bit_length()), BK=64, BV=64, PREC="tf32")
+        # mode tiles as the GPU runs them (chunk._sizes: at least 64)
+        common = dict(K=D, V=D, C=64, BM=max(64, 1 << (M - 1).bit_length()), BK=64, BV=64, PREC="tf32")
         for nw in warps:
             for name, fn in (("fwd", ch._fwd_kernel), ("bwd_a", ch._bwd_a_kernel),
                              ("bwd_main", ch._bwd_main_kernel)):
                 build(f"{name} M={M}", fn, common, nw)
+            for part in (1, 2, 4):
+                build(f"bwd_part {part} M={M}", ch._bwd_part_kernel, dict(common, PART=part), nw)
     for bm, bd in ((32, 64), (16, 32)):
         for per_token in (False, True):
-            consts = dict(C=64, BM=bm, BD=bd, PER_TOKEN=per_token, HAS_INIT=True, REV=per_token, PREC="tf32",
-                          INTERPRET=False)
-            build(f"scan BM={bm} BD={bd} {'rev per-token' if per_token else 'fwd const-b'}", ch._scan_kernel,
-                  consts, 4)
+            for hoist in (False, True):
+                consts = dict(C=64, BM=bm, BD=bd, PER_TOKEN=per_token, HAS_INIT=True, REV=per_token, PREC="tf32",
+                              HOIST=hoist, INTERPRET=False)
+                build(f"scan BM={bm} BD={bd} {'rev per-token' if per_token else 'fwd const-b'}"
+                      f"{' hoist' if hoist else ''}", ch._scan_kernel, consts, 4)
     build("powers M=32", ch._powers_kernel, dict(C=64, NP=128, BM=32), 4)
     print(format_table(rows))
     return rows
@@ -95,7 +99,7 @@ def copy_peak_tbps():
     return 2 * x.numel() / (time_ms(lambda: y.copy_(x)) * 1e-3) / 1e12
 
 
-def ours(T, M, C=64):
+def _inputs_and_fwd(T, M, C=64):
     B = TOKENS // T
     g = torch.Generator(device="cuda").manual_seed(0)
     q = torch.rand(B, T, H, D, device="cuda", generator=g).bfloat16().requires_grad_()
@@ -104,10 +108,13 @@ def ours(T, M, C=64):
     decay = torch.stack((-torch.rand(H, M, device="cuda") * 0.2, torch.rand(H, M, device="cuda")), -1)
     decay.requires_grad_()
     b = torch.randn(H, M, 2, device="cuda").requires_grad_()
-    do = torch.randn_like(v)
-    fwd = lambda: interdomain_attention(q, k, v, decay, b, chunk_size=C)[0]  # noqa: E731
-    fb = lambda: torch.autograd.backward(fwd(), do)  # noqa: E731
-    return _measure(fwd, fb)
+    return lambda: interdomain_attention(q, k, v, decay, b, chunk_size=C)[0]
+
+
+def ours(T, M, C=64):
+    fwd = _inputs_and_fwd(T, M, C)
+    do = torch.randn(TOKENS // T, T, H, D, device="cuda", dtype=torch.bfloat16)
+    return _measure(fwd, lambda: torch.autograd.backward(fwd(), do))
 
 
 def breakdown(T, M, C=64):
@@ -140,7 +147,11 @@ def breakdown(T, M, C=64):
                                                                  dv, part, T, NC, H, M, C=C, **sizes,
                                                                  num_warps=ch.NUM_WARPS["bwd_main"]))
     out["fwd total"] = time_ms(lambda: ch.interdomain_fwd(q, k, v, decay, b, chunk_size=C))
-    out["bwd total"] = time_ms(lambda: ch.interdomain_bwd(q, k, v, decay, b, None, None, do, None, None, C))
+    for split in (False, True):
+        ch.BWD_SPLIT = split
+        out[f"bwd total split={split}"] = time_ms(lambda: ch.interdomain_bwd(q, k, v, decay, b, None, None, do, None,
+                                                                             None, C))
+    ch.BWD_SPLIT = False
     return {k: round(x, 3) for k, x in out.items()}
 
 
@@ -231,6 +242,8 @@ def jobs_for(Ts, only_ours):
                      lambda w=warps: _with_warps(w, lambda: ours(8192, 32), ch.NUM_WARPS)))
     hoisted = lambda T: _with_attr(ch, "SCAN_HOIST", True, lambda: ours(T, 32))  # noqa: E731
     jobs += [("interdomain C=64 scan-hoist", T, 32, lambda T=T: hoisted(T)) for T in (2048, 16384, 65536)]
+    split = lambda T: _with_attr(ch, "BWD_SPLIT", True, lambda: ours(T, 32))  # noqa: E731
+    jobs += [("interdomain C=64 bwd-split", T, 32, lambda T=T: split(T)) for T in (2048, 65536)]
     jobs += [("interdomain C=64", T, 64, lambda T=T: ours(T, 64)) for T in Ts]
     if not only_ours:
         jobs += [(f"sdpa-{be}", T, "-", lambda T=T, be=be: sdpa(T, be)) for be in ("flash", "cudnn") for T in Ts]
@@ -261,7 +274,13 @@ def main():
     ap.add_argument("--budget-s", type=float, default=170.0, help="skip the remaining rows after this many seconds")
     ap.add_argument("--only-ours", action="store_true", help="skip the SDPA and fla rows")
     ap.add_argument("--compile-report", action="store_true", help="offline sm_90 resources of chunk.py (no GPU)")
+    ap.add_argument("--once", action="store_true", help="one fwd+bwd at T = 2K, M = 32 (profile_interdomain.sh)")
     args = ap.parse_args()
+    if args.once:
+        torch.autograd.backward(_inputs_and_fwd(2048, 32)(), torch.ones(TOKENS // 2048, 2048, H, D, device="cuda",
+                                                                         dtype=torch.bfloat16))
+        torch.cuda.synchronize()
+        return
     if args.compile_report:
         compile_report()
         return

@@ -498,8 +498,79 @@ def _bwd_main_kernel(q_ptr, k_ptr, v_ptr, do_ptr, a_ptr, da_ptr, ub_ptr, gb_ptr,
                                    om, mm, M, V, C, BV, BM, PREC)
     zsr += vsr
     zsi += vsi
-    # db: sum_t conj(lam^(L-1-j)) z_t . S;  d(log lam): conj(b) sum_t (L-1-j) conj(lam^(L-1-j)) z_t . S
-    # (reverse state x intra-chunk state) + L conj(lam^L) <S, X_c> (reverse state x chunk-start state)
+    sur += sgr
+    sui += sgi
+    _state_partials(part_ptr, zsr, zsi, sur, sui, er, ei, br, bi, pw, L, oc, om, mm, i_bh, NC, ic, M)
+
+
+@triton.jit
+def _bwd_part_kernel(q_ptr, k_ptr, v_ptr, do_ptr, a_ptr, da_ptr, ub_ptr, gb_ptr, rub_ptr, rgb_ptr, b_ptr, pw_ptr,
+                     dq_ptr, dk_ptr, dv_ptr, part_ptr, T, NC, H, M, K: tl.constexpr, V: tl.constexpr,
+                     C: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
+                     PART: tl.constexpr):
+    """One of _bwd_main_kernel's three outputs per launch (BWD_SPLIT): dq (PART 1), dk (2) or dv (4); the dk and dv
+    launches each write their (additive) share of the state parameter-gradient partials."""
+    ic, i_bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    i_b, i_h = i_bh // H, i_bh % H
+    DT = q_ptr.dtype.element_ty
+    oc = tl.arange(0, C)
+    L = tl.minimum(T - ic * C, C)
+    ok = oc < L
+    rows = (i_b * T + ic * C + oc) * H + i_h
+    om = tl.arange(0, BM)
+    mm = om < M
+    pw = pw_ptr + i_h * (C + 1) * 2 * M
+    br = tl.load(b_ptr + (i_h * M + om) * 2, mask=mm, other=0.0)
+    bi = tl.load(b_ptr + (i_h * M + om) * 2 + 1, mask=mm, other=0.0)
+    cs = (i_bh * NC + ic) * 2 * M
+    ub = ub_ptr + cs * K
+    gb = gb_ptr + cs * V
+    # b lam^n as [C, BM] and transposed [BM, C]
+    pr_, pi_ = _pow(pw, oc[:, None], om[None, :], mm[None, :], M)
+    pr_, pi_ = _cmul(br[None, :], bi[None, :], pr_, pi_)
+    if PART & 1:
+        gr, gi, _, _ = _load_coef(da_ptr, rows, ok, oc, om, mm, M)
+        ptr_, pti = _pow(pw, oc[None, :], om[:, None], mm[:, None], M)
+        ptr_, pti = _cmul(br[:, None], bi[:, None], ptr_, pti)
+        wd = _w_matrix(gr, gi, ptr_, pti, oc, DT, PREC).to(DT)
+        # inter-chunk coefficients: da conj(lam^(j+1)) against U_c
+        sr, si = _pow(pw, oc[:, None] + 1, om[None, :], mm[None, :], M)
+        xr, xi = _cmul(gr, gi, sr, -si)
+        _grad_dq(dq_ptr, k_ptr, wd, xr.to(DT), xi.to(DT), ub, rows, ok, om, mm, M, K, BK, PREC)
+    if PART & 6:
+        # b lam^(L-1-j) against the reverse states
+        er, ei = _pow(pw, tl.maximum(L - 1 - oc, 0)[:, None], om[None, :], ok[:, None] & mm[None, :], M)
+        yr, yi = _cmul(br[None, :], bi[None, :], er, ei)
+        zsr = tl.zeros([C, BM], dtype=tl.float32)
+        zsi = tl.zeros([C, BM], dtype=tl.float32)
+        sur = tl.zeros([BM], dtype=tl.float32)
+        sui = tl.zeros([BM], dtype=tl.float32)
+        if PART & 2:
+            _, _, gtr, gti = _load_coef(da_ptr, rows, ok, oc, om, mm, M)
+            wdt = _w_matrix_t(pr_, pi_, gtr, gti, oc, DT, PREC).to(DT)
+            ksr, ksi, kur, kui = _grad_rev(dk_ptr, q_ptr, k_ptr, wdt, yr.to(DT), yi.to(DT), rub_ptr + cs * K, ub,
+                                           rows, ok, om, mm, M, K, C, BK, BM, PREC)
+            zsr += ksr
+            zsi += ksi
+            sur += kur
+            sui += kui
+        if PART & 4:
+            _, _, atr, ati = _load_coef(a_ptr, rows, ok, oc, om, mm, M)
+            wt = _w_matrix_t(pr_, pi_, atr, ati, oc, DT, PREC).to(DT)
+            vsr, vsi, sgr, sgi = _grad_rev(dv_ptr, do_ptr, v_ptr, wt, yr.to(DT), yi.to(DT), rgb_ptr + cs * V, gb,
+                                           rows, ok, om, mm, M, V, C, BV, BM, PREC)
+            zsr += vsr
+            zsi += vsi
+            sur += sgr
+            sui += sgi
+        _state_partials(part_ptr, zsr, zsi, sur, sui, er, ei, br, bi, pw, L, oc, om, mm, i_bh, NC, ic, M)
+
+
+@triton.jit
+def _state_partials(part_ptr, zsr, zsi, sur, sui, er, ei, br, bi, pw, L, oc, om, mm, i_bh, NC, ic, M):
+    """db: sum_t conj(lam^(L-1-j)) z_t . S;  d(log lam): conj(b) sum_t (L-1-j) conj(lam^(L-1-j)) z_t . S
+    (reverse state x intra-chunk state) + L conj(lam^L) <S, X_c> (reverse state x chunk-start state); linear in
+    the Z S^T and <S, X_c> sums, so the dk and dv shares add up."""
     cr = er * zsr + ei * zsi
     ci = er * zsi - ei * zsr
     dbr = tl.sum(cr, 0)
@@ -510,8 +581,6 @@ def _bwd_main_kernel(q_ptr, k_ptr, v_ptr, do_ptr, a_ptr, da_ptr, ub_ptr, gb_ptr,
     lr = br * hr + bi * hi
     li = br * hi - bi * hr
     nr, ni = _pow(pw, L, om, mm, M)
-    sur += sgr
-    sui += sgi
     lf = L.to(tl.float32)
     lr += lf * (nr * sur + ni * sui)
     li += lf * (nr * sui - ni * sur)
@@ -529,6 +598,9 @@ NUM_WARPS = {"scan": 4, "fwd": 4, "bwd_a": 4, "bwd_main": 4}
 # ahead (#3: the sequential loop is latency-bound at 64K, where only B*H = 16 rows run). Correct in the
 # interpreter; off until the GPU tests and tools/bench_interdomain.py's "scan-hoist" rows have run on an H200.
 SCAN_HOIST = False
+# the backward's main kernel as three kernels (dq; dk; dv, each with fewer live [C, C] and [C, M] tiles than the
+# fused one, which sits at 255 registers); correct in the interpreter, off until timed on an H200 (#3)
+BWD_SPLIT = False
 
 
 def powers(decay: torch.Tensor, C: int) -> torch.Tensor:
@@ -603,10 +675,18 @@ def interdomain_bwd(q, k, v, decay, b, u0, g0, do, duf, dgf, chunk_size=64):
     rub, du0 = scan(q, b, pw, C, c=da, x0=duf, rev=True)
     rgb, dg0 = scan(do, b, pw, C, c=a, x0=dgf, rev=True)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    part_m = q.new_empty(B, H, NC, 4, M, dtype=torch.float32)
-    _bwd_main_kernel[(NC, B * H)](q, k, v, do, a, da, ub, gb, rub, rgb, b, pw, dq, dk, dv, part_m, T, NC, H, M,
-                                  C=C, **sizes, num_warps=NUM_WARPS["bwd_main"])
-    sums = (part_a.double() + part_m.double()).sum((0, 2))  # [H, 4, M]
+    parts = (1, 2, 4) if BWD_SPLIT else (7,)
+    part_m = q.new_empty(len(parts), B, H, NC, 4, M, dtype=torch.float32)
+    for i, part in enumerate(parts):
+        # the dq-only kernel writes no partials: its slot is zeroed
+        if part == 1:
+            part_m[i].zero_()
+        args = (q, k, v, do, a, da, ub, gb, rub, rgb, b, pw, dq, dk, dv, part_m[i], T, NC, H, M)
+        if part == 7:
+            _bwd_main_kernel[(NC, B * H)](*args, C=C, **sizes, num_warps=NUM_WARPS["bwd_main"])
+        else:
+            _bwd_part_kernel[(NC, B * H)](*args, C=C, **sizes, PART=part, num_warps=NUM_WARPS["bwd_main"])
+    sums = (part_a.double() + part_m.double().sum(0)).sum((0, 2))  # [H, 4, M]
     ddecay = torch.stack((sums[:, 2], sums[:, 3]), -1).float()
     dbb = torch.stack((sums[:, 0], sums[:, 1]), -1).float()
     return dq, dk, dv, ddecay, dbb, du0 if u0 is not None else None, dg0 if g0 is not None else None

@@ -136,6 +136,19 @@ def test_hoisted_scan_matches_naive(nan_empty, scan_hoist, T, C, init):
     compare(inputs, FP32_TOL, chunk_size=C)
 
 
+@pytest.fixture
+def bwd_split(monkeypatch):
+    from kernels.interdomain import chunk
+
+    monkeypatch.setattr(chunk, "BWD_SPLIT", True)
+
+
+@pytest.mark.parametrize("T,M,normalize", [(100, 8, True), (300, 32, False)])
+def test_split_backward_matches_naive(nan_empty, bwd_split, T, M, normalize):
+    """The backward's main kernel as three launches (chunk.BWD_SPLIT): dq, dk, dv and every parameter gradient."""
+    compare(make_inputs(1, T, 2, 16, 24, M, normalize=normalize), FP32_TOL, normalize=normalize)
+
+
 def _bad(**over):
     q, k, v, decay, b, u0, g0 = make_inputs(1, 8, 2, 16, 16, 4, device="cpu")
     args = dict(q=q, k=k, v=v, decay=decay, b=b, initial_state=(u0, g0), chunk_size=64)
@@ -187,6 +200,13 @@ def test_strong_decay_gpu_bf16(nan_empty):
 @requires_gpu
 @pytest.mark.parametrize("T,M", [(300, 32), (1000, 64)])
 def test_hoisted_scan_gpu_bf16(nan_empty, scan_hoist, T, M):
+    compare(make_inputs(2, T, 3, 128, 128, M, dtype=torch.bfloat16), BF16_TOL, BF16_GRAD_TOL)
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("T,M", [(300, 32), (1000, 64)])
+def test_split_backward_gpu_bf16(nan_empty, bwd_split, T, M):
     compare(make_inputs(2, T, 3, 128, 128, M, dtype=torch.bfloat16), BF16_TOL, BF16_GRAD_TOL)
 
 
