@@ -137,21 +137,18 @@ def breakdown(T, M, C=64):
                                                             **sizes, num_warps=ch.NUM_WARPS["bwd_a"]))}
     dq, dk, dv = (torch.empty_like(q) for _ in range(3))
     for hoist in (False, True):
-        ch.SCAN_HOIST = hoist
-        out[f"scan hoist={hoist}"] = time_ms(lambda: ch.scan(k, b, pw, C))
-        out[f"scan rev per-token hoist={hoist}"] = time_ms(lambda: ch.scan(q, b, pw, C, c=da, rev=True))
-    ch.SCAN_HOIST = False
+        timed = lambda fn, h=hoist: _with_attr(ch, "SCAN_HOIST", h, lambda: time_ms(fn))  # noqa: E731
+        out[f"scan hoist={hoist}"] = timed(lambda: ch.scan(k, b, pw, C))
+        out[f"scan rev per-token hoist={hoist}"] = timed(lambda: ch.scan(q, b, pw, C, c=da, rev=True))
     rub, _ = ch.scan(q, b, pw, C, c=da, rev=True)
     rgb, _ = ch.scan(do, b, pw, C, c=a, rev=True)
     out["bwd_main"] = time_ms(lambda: ch._bwd_main_kernel[grid](q, k, v, do, a, da, ub, gb, rub, rgb, b, pw, dq, dk,
                                                                  dv, part, T, NC, H, M, C=C, **sizes,
                                                                  num_warps=ch.NUM_WARPS["bwd_main"]))
     out["fwd total"] = time_ms(lambda: ch.interdomain_fwd(q, k, v, decay, b, chunk_size=C))
+    bwd = lambda: ch.interdomain_bwd(q, k, v, decay, b, None, None, do, None, None, C)  # noqa: E731
     for split in (False, True):
-        ch.BWD_SPLIT = split
-        out[f"bwd total split={split}"] = time_ms(lambda: ch.interdomain_bwd(q, k, v, decay, b, None, None, do, None,
-                                                                             None, C))
-    ch.BWD_SPLIT = False
+        out[f"bwd total split={split}"] = _with_attr(ch, "BWD_SPLIT", split, lambda: time_ms(bwd))
     return {k: round(x, 3) for k, x in out.items()}
 
 

@@ -10,6 +10,7 @@ is exact in range, by shearing the [C, C] matrix with tl.gather (D[t, n] = A[t, 
   _fwd_kernel      o from (q, k, U_c) and (v, Gamma_c)
   _bwd_a_kernel    a and da per token, plus the intra-chunk parts of d(log lam) and db
   _bwd_main_kernel dq, dk, dv, plus the state parts of d(log lam) and db
+  _bwd_part_kernel the same as three launches, one per gradient (BWD_SPLIT, not yet timed on a GPU)
 """
 
 import os
@@ -676,11 +677,10 @@ def interdomain_bwd(q, k, v, decay, b, u0, g0, do, duf, dgf, chunk_size=64):
     rgb, dg0 = scan(do, b, pw, C, c=a, x0=dgf, rev=True)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     parts = (1, 2, 4) if BWD_SPLIT else (7,)
-    part_m = q.new_empty(len(parts), B, H, NC, 4, M, dtype=torch.float32)
+    # the dq-only kernel of the split writes no partials, so the split's slots start at zero
+    alloc = q.new_zeros if BWD_SPLIT else q.new_empty
+    part_m = alloc(len(parts), B, H, NC, 4, M, dtype=torch.float32)
     for i, part in enumerate(parts):
-        # the dq-only kernel writes no partials: its slot is zeroed
-        if part == 1:
-            part_m[i].zero_()
         args = (q, k, v, do, a, da, ub, gb, rub, rgb, b, pw, dq, dk, dv, part_m[i], T, NC, H, M)
         if part == 7:
             _bwd_main_kernel[(NC, B * H)](*args, C=C, **sizes, num_warps=NUM_WARPS["bwd_main"])
