@@ -23,7 +23,6 @@ from kernels.interdomain import interdomain_attention, interdomain_step  # noqa:
 from tools.benchutil import format_table, matmul_peak_tflops, peak_memory_mib, save_results, time_ms  # noqa: E402
 
 TOKENS, H, D = 65536, 16, 128
-SUB = 16
 
 
 def cost_model(M, K=D, V=D, C=64):
@@ -76,16 +75,16 @@ def compile_report(Ms=(32, 64), warps=(4, 8)):
         # mode tiles as the GPU runs them (chunk._sizes: at least 64)
         common = dict(K=D, V=D, C=64, BM=max(64, 1 << (M - 1).bit_length()), BK=64, BV=64, PREC="tf32")
         for nw in warps:
-            for name, fn in (("fwd", ch._fwd_kernel), ("bwd_a", ch._bwd_a_kernel),
-                             ("bwd_main", ch._bwd_main_kernel)):
-                build(f"{name} M={M}", fn, common, nw)
+            build(f"fwd M={M}", ch._fwd_kernel, common, nw)
+            for tshear in (False, True):
+                build(f"bwd_a M={M} tshear={tshear}", ch._bwd_a_kernel, dict(common, TSHEAR=tshear), nw)
             for part in (1, 2, 4):
                 build(f"bwd_part {part} M={M}", ch._bwd_part_kernel, dict(common, PART=part), nw)
     for bm, bd in ((32, 64), (16, 32)):
         for per_token in (False, True):
             for hoist in (False, True):
                 consts = dict(C=64, BM=bm, BD=bd, PER_TOKEN=per_token, HAS_INIT=True, REV=per_token, PREC="tf32",
-                              HOIST=hoist, INTERPRET=False)
+                              HOIST=hoist, STORE=True, INTERPRET=False)
                 build(f"scan BM={bm} BD={bd} {'rev per-token' if per_token else 'fwd const-b'}"
                       f"{' hoist' if hoist else ''}", ch._scan_kernel, consts, 4)
     build("powers M=32", ch._powers_kernel, dict(C=64, NP=128, BM=32), 4)
@@ -117,39 +116,83 @@ def ours(T, M, C=64):
     return _measure(fwd, lambda: torch.autograd.backward(fwd(), do))
 
 
-def breakdown(T, M, C=64):
-    """Milliseconds of each chunk.py launch of fwd+bwd (the scans with SCAN_HOIST off and on), and the totals."""
-    B = TOKENS // T
-    NC = T // C
+def _launches(T, M, C=64):
+    """One closure per chunk.py kernel launch of fwd+bwd on random inputs: name -> fn(num_warps, **constexprs)."""
+    B, NC = TOKENS // T, T // C
     q, k, v, do = (torch.rand(B, T, H, D, device="cuda").bfloat16() for _ in range(4))
     decay = torch.stack((-torch.rand(H, M, device="cuda") * 0.2, torch.rand(H, M, device="cuda")), -1)
     b = torch.randn(H, M, 2, device="cuda")
     pw = ch.powers(decay, C)
-    ub, _ = ch.scan(k, b, pw, C)
-    gb, _ = ch.scan(v, b, pw, C)
+    ub, _ = ch.scan(k, b, pw, decay, C)
+    gb, _ = ch.scan(v, b, pw, decay, C)
     a, da = (q.new_empty(B, T, H, 2, M) for _ in range(2))
     part = q.new_empty(B, H, NC, 4, M, dtype=torch.float32)
-    sizes, grid = ch._sizes(q, v, b), (NC, B * H)
-    out = {"powers": time_ms(lambda: ch.powers(decay, C)),
-           "fwd kernel": time_ms(lambda: ch._fwd_kernel[grid](q, k, v, ub, gb, b, pw, do, T, NC, H, M, C=C, **sizes,
-                                                               num_warps=ch.NUM_WARPS["fwd"])),
-           "bwd_a": time_ms(lambda: ch._bwd_a_kernel[grid](q, k, v, do, ub, gb, b, pw, a, da, part, T, NC, H, M, C=C,
-                                                            **sizes, num_warps=ch.NUM_WARPS["bwd_a"]))}
+    rub, _ = ch.scan(q, b, pw, decay, C, c=da, rev=True)
+    rgb, _ = ch.scan(do, b, pw, decay, C, c=a, rev=True)
     dq, dk, dv = (torch.empty_like(q) for _ in range(3))
+    sizes, grid = ch._sizes(q, v, b), (NC, B * H)
+    bwd_args = (q, k, v, do, a, da, ub, gb, rub, rgb, b, pw, dq, dk, dv, part, T, NC, H, M)
+    out = {"fwd": lambda nw, **f: ch._fwd_kernel[grid](q, k, v, ub, gb, b, pw, do, T, NC, H, M, C=C, **sizes,
+                                                       num_warps=nw, **f),
+           "bwd_a": lambda nw, **f: ch._bwd_a_kernel[grid](q, k, v, do, ub, gb, b, pw, a, da, part, T, NC, H, M,
+                                                           C=C, **sizes, num_warps=nw,
+                                                           **{"TSHEAR": ch.BWD_A_TSHEAR, **f})}
+    for key, pt in (("bwd_dq", 1), ("bwd_dk", 2), ("bwd_dv", 4)):
+        out[key] = lambda nw, pt=pt, **f: ch._bwd_part_kernel[grid](*bwd_args, C=C, **sizes, PART=pt, num_warps=nw)
+    totals = {"fwd total": lambda: ch.interdomain_fwd(q, k, v, decay, b, chunk_size=C),
+              "bwd total": lambda: ch.interdomain_bwd(q, k, v, decay, b, None, None, do, None, None, C)}
+    scans = {"scan": lambda: ch.scan(k, b, pw, decay, C),
+             "scan rev per-token": lambda: ch.scan(q, b, pw, decay, C, c=da, rev=True)}
+    return out, scans, totals
+
+
+def breakdown(T, M, C=64):
+    """Milliseconds of each chunk.py launch of fwd+bwd at the default settings (the scans hoisted and not), and
+    the totals."""
+    launches, scans, totals = _launches(T, M, C)
+    out = {name: time_ms(lambda fn=fn, name=name: fn(ch.NUM_WARPS[name])) for name, fn in launches.items()}
     for hoist in (False, True):
-        timed = lambda fn, h=hoist: _with_attr(ch, "SCAN_HOIST", h, lambda: time_ms(fn))  # noqa: E731
-        out[f"scan hoist={hoist}"] = timed(lambda: ch.scan(k, b, pw, C))
-        out[f"scan rev per-token hoist={hoist}"] = timed(lambda: ch.scan(q, b, pw, C, c=da, rev=True))
-    rub, _ = ch.scan(q, b, pw, C, c=da, rev=True)
-    rgb, _ = ch.scan(do, b, pw, C, c=a, rev=True)
-    out["bwd_main"] = time_ms(lambda: ch._bwd_main_kernel[grid](q, k, v, do, a, da, ub, gb, rub, rgb, b, pw, dq, dk,
-                                                                 dv, part, T, NC, H, M, C=C, **sizes,
-                                                                 num_warps=ch.NUM_WARPS["bwd_main"]))
-    out["fwd total"] = time_ms(lambda: ch.interdomain_fwd(q, k, v, decay, b, chunk_size=C))
-    bwd = lambda: ch.interdomain_bwd(q, k, v, decay, b, None, None, do, None, None, C)  # noqa: E731
-    for split in (False, True):
-        out[f"bwd total split={split}"] = _with_attr(ch, "BWD_SPLIT", split, lambda: time_ms(bwd))
+        for name, fn in scans.items():
+            out[f"{name} hoist={hoist}"] = _with_attr(ch, "SCAN_HOIST", {"const": hoist, "per_token": hoist},
+                                                      lambda fn=fn: time_ms(fn))
+    out.update({name: time_ms(fn) for name, fn in totals.items()})
     return {k: round(x, 3) for k, x in out.items()}
+
+
+def sweep(Ts=(2048, 65536), M=32):
+    """Each launch at 4 and 8 warps (bwd_a with TSHEAR off and on): milliseconds, and the registers and spilled
+    bytes of the GPU's own build (the offline --compile-report build differs from it); then the scans and the
+    fwd / bwd totals with segmented scans on and off, at three lengths."""
+    rows = []
+
+    def add(r, fn):
+        try:
+            r.update(ms=round(time_ms(fn), 3))
+        except Exception as e:  # an out-of-resources variant must not lose the other rows
+            r.update(ms=float("nan"), error=f"{type(e).__name__}: {str(e)[:100]}")
+        rows.append(r)
+        print(format_table(rows[-1:]), flush=True)
+
+    for T in Ts:
+        launches, _, _ = _launches(T, M)
+        for name, fn in launches.items():
+            for nw in (4, 8):
+                for f in ([{"TSHEAR": False}, {"TSHEAR": True}] if name == "bwd_a" else [{}]):
+                    r = {"T": T, "kernel": name + "".join(f" {k}={x}" for k, x in f.items()), "warps": nw}
+                    add(r, lambda: fn(nw, **f))
+                    if "error" not in r:
+                        kern = fn(nw, **f)  # Triton returns the compiled kernel it launched
+                        r.update(regs=kern.n_regs, spills=kern.n_spills)
+        torch.cuda.empty_cache()
+    for T in (2048, 8192, 65536):
+        _, scans, totals = _launches(T, M)
+        for seg in (0, ch.SCAN_SEGMENT or 32):
+            for name, fn in {**scans, **totals}.items():
+                add({"T": T, "kernel": f"{name} segment={seg}", "warps": ch.NUM_WARPS["scan"]},
+                    lambda: _with_attr(ch, "SCAN_SEGMENT", seg, fn))
+        torch.cuda.empty_cache()
+    print(format_table(rows), flush=True)
+    return rows
 
 
 def _with_attr(obj, name, value, fn):
@@ -234,13 +277,14 @@ def jobs_for(Ts, only_ours):
     jobs = [("interdomain C=64", T, 32, lambda T=T: ours(T, 32)) for T in Ts]
     jobs += [("breakdown", T, 32, lambda T=T: breakdown(T, 32)) for T in (2048, 65536)]
     for nw in (4, 8):
-        warps = {"fwd": nw, "bwd_a": nw, "bwd_main": nw}
+        warps = {key: nw for key in ch.NUM_WARPS if key != "scan"}
         jobs.append((f"interdomain C=64 warps={nw}", 8192, 32,
                      lambda w=warps: _with_warps(w, lambda: ours(8192, 32), ch.NUM_WARPS)))
-    hoisted = lambda T: _with_attr(ch, "SCAN_HOIST", True, lambda: ours(T, 32))  # noqa: E731
-    jobs += [("interdomain C=64 scan-hoist", T, 32, lambda T=T: hoisted(T)) for T in (2048, 16384, 65536)]
-    split = lambda T: _with_attr(ch, "BWD_SPLIT", True, lambda: ours(T, 32))  # noqa: E731
-    jobs += [("interdomain C=64 bwd-split", T, 32, lambda T=T: split(T)) for T in (2048, 65536)]
+    hoisted = lambda T: _with_attr(ch, "SCAN_HOIST", {"const": True, "per_token": True},  # noqa: E731
+                                   lambda: ours(T, 32))
+    jobs += [("interdomain C=64 all scans hoisted", T, 32, lambda T=T: hoisted(T)) for T in (2048, 65536)]
+    tshear = lambda T: _with_attr(ch, "BWD_A_TSHEAR", not ch.BWD_A_TSHEAR, lambda: ours(T, 32))  # noqa: E731
+    jobs += [(f"interdomain C=64 tshear={not ch.BWD_A_TSHEAR}", T, 32, lambda T=T: tshear(T)) for T in (2048, 65536)]
     jobs += [("interdomain C=64", T, 64, lambda T=T: ours(T, 64)) for T in Ts]
     if not only_ours:
         jobs += [(f"sdpa-{be}", T, "-", lambda T=T, be=be: sdpa(T, be)) for be in ("flash", "cudnn") for T in Ts]
@@ -271,6 +315,7 @@ def main():
     ap.add_argument("--budget-s", type=float, default=170.0, help="skip the remaining rows after this many seconds")
     ap.add_argument("--only-ours", action="store_true", help="skip the SDPA and fla rows")
     ap.add_argument("--compile-report", action="store_true", help="offline sm_90 resources of chunk.py (no GPU)")
+    ap.add_argument("--sweep", action="store_true", help="each launch at 4 / 8 warps with GPU registers and spills")
     ap.add_argument("--once", action="store_true", help="one fwd+bwd at T = 2K, M = 32 (profile_interdomain.sh)")
     args = ap.parse_args()
     if args.once:
@@ -280,6 +325,9 @@ def main():
         return
     if args.compile_report:
         compile_report()
+        return
+    if args.sweep:
+        print(save_results("interdomain-sweep", sweep(), {"shape": f"B*T={TOKENS}, H={H}, K=V={D}, M=32, bf16"}))
         return
     start = time.time()
     Ts = [2048, 8192] if args.quick else [2048, 4096, 8192, 16384, 65536]

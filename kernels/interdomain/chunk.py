@@ -9,8 +9,8 @@ is exact in range, by shearing the [C, C] matrix with tl.gather (D[t, n] = A[t, 
   _scan_kernel     chunk-boundary states of X_t = lam X_{t-1} + c_t z_t (forward), or of the adjoint in reverse
   _fwd_kernel      o from (q, k, U_c) and (v, Gamma_c)
   _bwd_a_kernel    a and da per token, plus the intra-chunk parts of d(log lam) and db
-  _bwd_main_kernel dq, dk, dv, plus the state parts of d(log lam) and db
-  _bwd_part_kernel the same as three launches, one per gradient (BWD_SPLIT, not yet timed on a GPU)
+  _bwd_part_kernel dq, dk or dv (one launch each), the dk and dv launches with their shares of the state parts of
+                   d(log lam) and db
 """
 
 import os
@@ -63,18 +63,22 @@ def _powers_kernel(decay_ptr, pw_ptr, M, C: tl.constexpr, NP: tl.constexpr, BM: 
 
 
 @triton.jit
-def _scan_step(it, xr, xi, cbr, cbi, z_ptr, c_ptr, pw, xb_ptr, i_b, i_h, i_bh, om, od, oc, mm, md, T, NC, H, D, M,
-               C: tl.constexpr, PER_TOKEN: tl.constexpr, REV: tl.constexpr, PREC: tl.constexpr):
-    DT = z_ptr.dtype.element_ty
-    if REV:
-        ic = NC - 1 - it
-    else:
-        ic = it
+def _store_state(xb_ptr, xr, xi, i_bh, NC, ic, om, od, mm, md, M, D):
     st = om[:, None] * D + od[None, :]
     mmd = mm[:, None] & md[None, :]
     pb = xb_ptr + (i_bh * NC + ic) * 2 * M * D
     tl.store(pb + st, xr.to(xb_ptr.dtype.element_ty), mask=mmd)
     tl.store(pb + M * D + st, xi.to(xb_ptr.dtype.element_ty), mask=mmd)
+
+
+@triton.jit
+def _scan_step(ic, xr, xi, cbr, cbi, z_ptr, c_ptr, pw, xb_ptr, i_b, i_h, i_bh, om, od, oc, mm, md, T, NC, H, D, M,
+               C: tl.constexpr, PER_TOKEN: tl.constexpr, REV: tl.constexpr, PREC: tl.constexpr,
+               STORE: tl.constexpr):
+    """Chunk ic: stores the state before it (STORE) and returns the state after it."""
+    DT = z_ptr.dtype.element_ty
+    if STORE:
+        _store_state(xb_ptr, xr, xi, i_bh, NC, ic, om, od, mm, md, M, D)
     L = tl.minimum(T - ic * C, C)
     ok = oc < L
     row = (i_b * T + ic * C + oc) * H + i_h
@@ -140,23 +144,20 @@ def _load_z(z_ptr, ic, i_b, i_h, od, oc, md, T, H, D, C: tl.constexpr):
 
 @triton.jit
 def _scan_full_step(j, xr, xi, fr, fi, lr, li, zt, cr, ci, z_ptr, c_ptr, xb_ptr, i_b, i_h, i_bh, om, od, oc, mm,
-                    md, T, NF, NC, H, D, M, C: tl.constexpr, PER_TOKEN: tl.constexpr, REV: tl.constexpr,
-                    PREC: tl.constexpr):
-    """Full chunk number j of the scan with the hoisted tables. zt and (cr, ci) are this chunk's features and
-    per-token coefficients, loaded one chunk ahead (the compiler's pipeliner leaves this loop alone) so that
-    their latency overlaps the previous chunk's products; returns the next chunk's."""
+                    md, T, NC, H, D, M, c_lo, f_hi, C: tl.constexpr, PER_TOKEN: tl.constexpr, REV: tl.constexpr,
+                    PREC: tl.constexpr, STORE: tl.constexpr):
+    """Step j over the full chunks c_lo..f_hi-1 (backward with REV) with the hoisted tables. zt and (cr, ci) are
+    this chunk's features and per-token coefficients, loaded one chunk ahead (the compiler's pipeliner leaves this
+    loop alone) so that their latency overlaps the previous chunk's products; returns the next chunk's."""
     DT = z_ptr.dtype.element_ty
     if REV:
-        ic = NF - 1 - j
-        nxt = tl.maximum(ic - 1, 0)
+        ic = f_hi - 1 - j
+        nxt = tl.maximum(ic - 1, c_lo)
     else:
-        ic = j
-        nxt = tl.minimum(ic + 1, NF - 1)
-    st = om[:, None] * D + od[None, :]
-    mmd = mm[:, None] & md[None, :]
-    pb = xb_ptr + (i_bh * NC + ic) * 2 * M * D
-    tl.store(pb + st, xr.to(xb_ptr.dtype.element_ty), mask=mmd)
-    tl.store(pb + M * D + st, xi.to(xb_ptr.dtype.element_ty), mask=mmd)
+        ic = c_lo + j
+        nxt = tl.minimum(ic + 1, f_hi - 1)
+    if STORE:
+        _store_state(xb_ptr, xr, xi, i_bh, NC, ic, om, od, mm, md, M, D)
     zc = zt.to(DT)
     zt = _load_z(z_ptr, nxt, i_b, i_h, od, oc, md, T, H, D, C)
     er, ei = fr, fi
@@ -171,48 +172,67 @@ def _scan_full_step(j, xr, xi, fr, fi, lr, li, zt, cr, ci, z_ptr, c_ptr, xb_ptr,
 
 @triton.jit
 def _scan_hoisted(xr, xi, cbr, cbi, z_ptr, c_ptr, pw, xb_ptr, i_b, i_h, i_bh, om, od, oc, mm, md, T, NC, H, D, M,
-                  C: tl.constexpr, PER_TOKEN: tl.constexpr, REV: tl.constexpr, PREC: tl.constexpr,
-                  INTERPRET: tl.constexpr):
-    """The chunk loop with the decay tables of full chunks computed once; a partial chunk (T % C tokens, the last
-    in time: first in reverse) takes the general step."""
-    NF = T // C
+                  c_lo, c_hi, C: tl.constexpr, PER_TOKEN: tl.constexpr, REV: tl.constexpr, PREC: tl.constexpr,
+                  STORE: tl.constexpr, INTERPRET: tl.constexpr):
+    """Chunks c_lo..c_hi-1 with the decay tables of full chunks computed once; a partial chunk (T % C tokens, the
+    last in time: first in reverse) takes the general step."""
+    f_hi = tl.minimum(c_hi, T // C)  # full chunks of this range: c_lo..f_hi-1
     fr, fi, lr, li = _full_tables(cbr, cbi, pw, om, oc, mm, M, C, PER_TOKEN, REV)
     if REV:
-        if NF < NC:
-            xr, xi = _scan_step(0, xr, xi, cbr, cbi, z_ptr, c_ptr, pw, xb_ptr, i_b, i_h, i_bh, om, od, oc, mm, md,
-                                T, NC, H, D, M, C, PER_TOKEN, REV, PREC)
-    first = 0
-    if REV:
-        first = tl.maximum(NF - 1, 0)
+        if f_hi < c_hi:
+            xr, xi = _scan_step(c_hi - 1, xr, xi, cbr, cbi, z_ptr, c_ptr, pw, xb_ptr, i_b, i_h, i_bh, om, od, oc, mm,
+                                md, T, NC, H, D, M, C, PER_TOKEN, REV, PREC, STORE)
+        first = tl.maximum(f_hi - 1, c_lo)
+    else:
+        first = c_lo
     zt = _load_z(z_ptr, first, i_b, i_h, od, oc, md, T, H, D, C)
     cr, ci = fr, fi
     if PER_TOKEN:
         cr, ci = _load_c(c_ptr, first, i_b, i_h, om, oc, mm, T, H, M, C)
     if INTERPRET:
         j = 0
-        while j < NF:
+        while j < f_hi - c_lo:
             xr, xi, zt, cr, ci = _scan_full_step(j, xr, xi, fr, fi, lr, li, zt, cr, ci, z_ptr, c_ptr, xb_ptr, i_b,
-                                                 i_h, i_bh, om, od, oc, mm, md, T, NF, NC, H, D, M, C, PER_TOKEN, REV,
-                                                 PREC)
+                                                 i_h, i_bh, om, od, oc, mm, md, T, NC, H, D, M, c_lo, f_hi, C,
+                                                 PER_TOKEN, REV, PREC, STORE)
             j += 1
     else:
-        for j in range(NF):
+        for j in range(f_hi - c_lo):
             xr, xi, zt, cr, ci = _scan_full_step(j, xr, xi, fr, fi, lr, li, zt, cr, ci, z_ptr, c_ptr, xb_ptr, i_b,
-                                                 i_h, i_bh, om, od, oc, mm, md, T, NF, NC, H, D, M, C, PER_TOKEN, REV,
-                                                 PREC)
+                                                 i_h, i_bh, om, od, oc, mm, md, T, NC, H, D, M, c_lo, f_hi, C,
+                                                 PER_TOKEN, REV, PREC, STORE)
     if not REV:
-        if NF < NC:
-            xr, xi = _scan_step(NC - 1, xr, xi, cbr, cbi, z_ptr, c_ptr, pw, xb_ptr, i_b, i_h, i_bh, om, od, oc, mm,
-                                md, T, NC, H, D, M, C, PER_TOKEN, REV, PREC)
+        if f_hi < c_hi:
+            xr, xi = _scan_step(c_hi - 1, xr, xi, cbr, cbi, z_ptr, c_ptr, pw, xb_ptr, i_b, i_h, i_bh, om, od, oc, mm,
+                                md, T, NC, H, D, M, C, PER_TOKEN, REV, PREC, STORE)
     return xr, xi
 
 
 @triton.jit
-def _scan_kernel(z_ptr, c_ptr, b_ptr, pw_ptr, x0_ptr, xb_ptr, xf_ptr, T, NC, H, D, M, C: tl.constexpr,
+def _scan_plain_step(it, xr, xi, cbr, cbi, z_ptr, c_ptr, pw, xb_ptr, i_b, i_h, i_bh, om, od, oc, mm, md, T, NC, H, D,
+                     M, c_lo, c_hi, C: tl.constexpr, PER_TOKEN: tl.constexpr, REV: tl.constexpr, PREC: tl.constexpr,
+                     STORE: tl.constexpr):
+    if REV:
+        ic = c_hi - 1 - it
+    else:
+        ic = c_lo + it
+    return _scan_step(ic, xr, xi, cbr, cbi, z_ptr, c_ptr, pw, xb_ptr, i_b, i_h, i_bh, om, od, oc, mm, md, T, NC, H, D,
+                      M, C, PER_TOKEN, REV, PREC, STORE)
+
+
+@triton.jit
+def _scan_kernel(z_ptr, c_ptr, b_ptr, pw_ptr, x0_ptr, xb_ptr, xf_ptr, T, NC, H, D, M, NS, SEG, C: tl.constexpr,
                  BM: tl.constexpr, BD: tl.constexpr, PER_TOKEN: tl.constexpr, HAS_INIT: tl.constexpr,
-                 REV: tl.constexpr, PREC: tl.constexpr, HOIST: tl.constexpr, INTERPRET: tl.constexpr):
-    i_bh, i_d, i_m = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
+                 REV: tl.constexpr, PREC: tl.constexpr, HOIST: tl.constexpr, STORE: tl.constexpr,
+                 INTERPRET: tl.constexpr):
+    """One (b, h) row, one [BM, BD] state tile, one segment of SEG chunks (NS segments per row): from the
+    segment's start state x0 (or zero) through its chunks, storing the state before each (STORE), and the state
+    after the segment in xf. x0 and xf are [B, H, NS, 2, M, D] fp32."""
+    i_p, i_d, i_m = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
+    i_bh, i_s = i_p // NS, i_p % NS
     i_b, i_h = i_bh // H, i_bh % H
+    c_lo = i_s * SEG
+    c_hi = tl.minimum(c_lo + SEG, NC)
     om = i_m * BM + tl.arange(0, BM)
     od = i_d * BD + tl.arange(0, BD)
     oc = tl.arange(0, C)
@@ -223,26 +243,26 @@ def _scan_kernel(z_ptr, c_ptr, b_ptr, pw_ptr, x0_ptr, xb_ptr, xf_ptr, T, NC, H, 
     xr = tl.zeros([BM, BD], dtype=tl.float32)
     xi = tl.zeros([BM, BD], dtype=tl.float32)
     if HAS_INIT:
-        p0 = x0_ptr + i_bh * 2 * M * D
+        p0 = x0_ptr + i_p * 2 * M * D
         xr = tl.load(p0 + st, mask=mmd, other=0.0)
         xi = tl.load(p0 + M * D + st, mask=mmd, other=0.0)
     cbr = tl.load(b_ptr + (i_h * M + om) * 2, mask=mm, other=0.0)[:, None]
     cbi = tl.load(b_ptr + (i_h * M + om) * 2 + 1, mask=mm, other=0.0)[:, None]
     if HOIST:
         xr, xi = _scan_hoisted(xr, xi, cbr, cbi, z_ptr, c_ptr, pw, xb_ptr, i_b, i_h, i_bh, om, od, oc, mm, md, T, NC,
-                               H, D, M, C, PER_TOKEN, REV, PREC, INTERPRET)
+                               H, D, M, c_lo, c_hi, C, PER_TOKEN, REV, PREC, STORE, INTERPRET)
     # the interpreter (numpy >= 2.4) cannot take a runtime range() bound; compiled code keeps the for loop
     elif INTERPRET:
         it = 0
-        while it < NC:
-            xr, xi = _scan_step(it, xr, xi, cbr, cbi, z_ptr, c_ptr, pw, xb_ptr, i_b, i_h, i_bh, om, od, oc, mm, md,
-                                T, NC, H, D, M, C, PER_TOKEN, REV, PREC)
+        while it < c_hi - c_lo:
+            xr, xi = _scan_plain_step(it, xr, xi, cbr, cbi, z_ptr, c_ptr, pw, xb_ptr, i_b, i_h, i_bh, om, od, oc, mm,
+                                      md, T, NC, H, D, M, c_lo, c_hi, C, PER_TOKEN, REV, PREC, STORE)
             it += 1
     else:
-        for it in range(NC):
-            xr, xi = _scan_step(it, xr, xi, cbr, cbi, z_ptr, c_ptr, pw, xb_ptr, i_b, i_h, i_bh, om, od, oc, mm, md,
-                                T, NC, H, D, M, C, PER_TOKEN, REV, PREC)
-    pf = xf_ptr + i_bh * 2 * M * D
+        for it in range(c_hi - c_lo):
+            xr, xi = _scan_plain_step(it, xr, xi, cbr, cbi, z_ptr, c_ptr, pw, xb_ptr, i_b, i_h, i_bh, om, od, oc, mm,
+                                      md, T, NC, H, D, M, c_lo, c_hi, C, PER_TOKEN, REV, PREC, STORE)
+    pf = xf_ptr + i_p * 2 * M * D
     tl.store(pf + st, xr, mask=mmd)
     tl.store(pf + M * D + st, xi, mask=mmd)
 
@@ -252,7 +272,8 @@ def _readout_a(x_ptr, z_ptr, sb, pw, br, bi, rows, ok, oc, om, mm, M, D: tl.cons
                BD: tl.constexpr, BM: tl.constexpr, TRANS: tl.constexpr, PREC: tl.constexpr):
     """a_t = sum_{s<=t in chunk} b lam^(t-s) (x_t . z_s) + lam^(j+1) (x_t . S[m]) with S the chunk-start state.
 
-    Returns (a re, a im, inter re, inter im, Z X^T) as [C, BM] / [C, C] fp32 (Z X^T only with TRANS)."""
+    Returns (a re, a im, inter re, inter im) as [C, BM] fp32, Z X^T as [C, C] fp32 (only with TRANS) and the sheared
+    X Z^T, D[t, n] = x_t . z_(t-n), as [C, C] in x's dtype."""
     DT = x_ptr.dtype.element_ty
     att = tl.zeros([C, C], dtype=tl.float32)
     att_t = tl.zeros([C, C], dtype=tl.float32)
@@ -282,7 +303,7 @@ def _readout_a(x_ptr, z_ptr, sb, pw, br, bi, rows, ok, oc, om, mm, M, D: tl.cons
     sr, si = _pow(pw, oc[:, None] + 1, om[None, :], mm[None, :], M)
     pr, pi = _cmul(sr, si, pr, pi)
     ar, ai = _cmul(br, bi, hr, hi)
-    return ar + pr, ai + pi, pr, pi, att_t
+    return ar + pr, ai + pi, pr, pi, att_t, sheared
 
 
 @triton.jit
@@ -319,7 +340,7 @@ def _fwd_kernel(q_ptr, k_ptr, v_ptr, ub_ptr, gb_ptr, b_ptr, pw_ptr, o_ptr, T, NC
     br = tl.load(b_ptr + (i_h * M + om) * 2, mask=mm, other=0.0)
     bi = tl.load(b_ptr + (i_h * M + om) * 2 + 1, mask=mm, other=0.0)
     ub = ub_ptr + (i_bh * NC + ic) * 2 * M * K
-    ar, ai, _, _, _ = _readout_a(q_ptr, k_ptr, ub, pw, br[None, :], bi[None, :], rows, ok, oc, om, mm, M, K, C, BK,
+    ar, ai, _, _, _, _ = _readout_a(q_ptr, k_ptr, ub, pw, br[None, :], bi[None, :], rows, ok, oc, om, mm, M, K, C, BK,
                                  BM, False, PREC)
     ptr_, pti = _pow(pw, oc[None, :], om[:, None], mm[:, None], M)
     ptr_, pti = _cmul(br[:, None], bi[:, None], ptr_, pti)
@@ -345,7 +366,7 @@ def _fwd_kernel(q_ptr, k_ptr, v_ptr, ub_ptr, gb_ptr, b_ptr, pw_ptr, o_ptr, T, NC
 @triton.jit
 def _bwd_a_kernel(q_ptr, k_ptr, v_ptr, do_ptr, ub_ptr, gb_ptr, b_ptr, pw_ptr, a_ptr, da_ptr, part_ptr, T, NC, H, M,
                   K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
-                  BV: tl.constexpr, PREC: tl.constexpr):
+                  BV: tl.constexpr, PREC: tl.constexpr, TSHEAR: tl.constexpr):
     ic, i_bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
     i_b, i_h = i_bh // H, i_bh % H
     DT = q_ptr.dtype.element_ty
@@ -359,10 +380,10 @@ def _bwd_a_kernel(q_ptr, k_ptr, v_ptr, do_ptr, ub_ptr, gb_ptr, b_ptr, pw_ptr, a_
     bi = tl.load(b_ptr + (i_h * M + om) * 2 + 1, mask=mm, other=0.0)[None, :]
     ub = ub_ptr + (i_bh * NC + ic) * 2 * M * K
     gb = gb_ptr + (i_bh * NC + ic) * 2 * M * V
-    ar, ai, par, pai, att_t = _readout_a(q_ptr, k_ptr, ub, pw, br, bi, rows, ok, oc, om, mm, M, K, C, BK, BM, True,
-                                         PREC)
-    gr, gi, pgr, pgi, attg_t = _readout_a(do_ptr, v_ptr, gb, pw, br, bi, rows, ok, oc, om, mm, M, V, C, BV, BM, True,
-                                          PREC)
+    ar, ai, par, pai, att_t, shq = _readout_a(q_ptr, k_ptr, ub, pw, br, bi, rows, ok, oc, om, mm, M, K, C, BK, BM,
+                                              not TSHEAR, PREC)
+    gr, gi, pgr, pgi, attg_t, shd = _readout_a(do_ptr, v_ptr, gb, pw, br, bi, rows, ok, oc, om, mm, M, V, C, BV, BM,
+                                               not TSHEAR, PREC)
     out = rows[:, None] * 2 * M + om[None, :]
     mo = ok[:, None] & mm[None, :]
     tl.store(a_ptr + out, ar.to(a_ptr.dtype.element_ty), mask=mo)
@@ -374,9 +395,13 @@ def _bwd_a_kernel(q_ptr, k_ptr, v_ptr, do_ptr, ub_ptr, gb_ptr, b_ptr, pw_ptr, a_
     lr = tl.sum(wj * (gr * par + gi * pai + ar * pgr + ai * pgi), 0)
     li = tl.sum(wj * (gi * par - gr * pai + ai * pgr - ar * pgi), 0)
     # lag sums c[n, m] = sum_s A[s, s-n] da_s + Ag[s, s-n] a_s (A = Q K^T, Ag = dO V^T) from the sheared transposes
-    up, gidx = _upper(oc)
-    sh = tl.where(up, tl.gather(att_t, gidx, 0), 0.0).to(DT)
-    shg = tl.where(up, tl.gather(attg_t, gidx, 0), 0.0).to(DT)
+    if TSHEAR:
+        sh = tl.trans(shq)
+        shg = tl.trans(shd)
+    else:
+        up, gidx = _upper(oc)
+        sh = tl.where(up, tl.gather(att_t, gidx, 0), 0.0).to(DT)
+        shg = tl.where(up, tl.gather(attg_t, gidx, 0), 0.0).to(DT)
     cr = tl.dot(sh, gr.to(DT), input_precision=PREC) + tl.dot(shg, ar.to(DT), input_precision=PREC)
     ci = tl.dot(sh, gi.to(DT), input_precision=PREC) + tl.dot(shg, ai.to(DT), input_precision=PREC)
     nr, ni = _pow(pw, oc[:, None], om[None, :], mm[None, :], M)
@@ -459,58 +484,14 @@ def _grad_rev(out_ptr, x_ptr, z_ptr, wt, yr, yi, sb, ub, rows, ok, om, mm, M, D:
 
 
 @triton.jit
-def _bwd_main_kernel(q_ptr, k_ptr, v_ptr, do_ptr, a_ptr, da_ptr, ub_ptr, gb_ptr, rub_ptr, rgb_ptr, b_ptr, pw_ptr,
-                     dq_ptr, dk_ptr, dv_ptr, part_ptr, T, NC, H, M, K: tl.constexpr, V: tl.constexpr,
-                     C: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr):
-    ic, i_bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
-    i_b, i_h = i_bh // H, i_bh % H
-    DT = q_ptr.dtype.element_ty
-    oc = tl.arange(0, C)
-    L = tl.minimum(T - ic * C, C)
-    ok = oc < L
-    rows = (i_b * T + ic * C + oc) * H + i_h
-    om = tl.arange(0, BM)
-    mm = om < M
-    pw = pw_ptr + i_h * (C + 1) * 2 * M
-    br = tl.load(b_ptr + (i_h * M + om) * 2, mask=mm, other=0.0)
-    bi = tl.load(b_ptr + (i_h * M + om) * 2 + 1, mask=mm, other=0.0)
-    ar, ai, atr, ati = _load_coef(a_ptr, rows, ok, oc, om, mm, M)
-    gr, gi, gtr, gti = _load_coef(da_ptr, rows, ok, oc, om, mm, M)
-    # b lam^n as [C, BM] and transposed [BM, C]
-    pr_, pi_ = _pow(pw, oc[:, None], om[None, :], mm[None, :], M)
-    pr_, pi_ = _cmul(br[None, :], bi[None, :], pr_, pi_)
-    ptr_, pti = _pow(pw, oc[None, :], om[:, None], mm[:, None], M)
-    ptr_, pti = _cmul(br[:, None], bi[:, None], ptr_, pti)
-    wd = _w_matrix(gr, gi, ptr_, pti, oc, DT, PREC).to(DT)
-    wdt = _w_matrix_t(pr_, pi_, gtr, gti, oc, DT, PREC).to(DT)
-    wt = _w_matrix_t(pr_, pi_, atr, ati, oc, DT, PREC).to(DT)
-    # inter-chunk coefficients: da conj(lam^(j+1)) against U_c; b lam^(L-1-j) against the reverse states
-    sr, si = _pow(pw, oc[:, None] + 1, om[None, :], mm[None, :], M)
-    xr, xi = _cmul(gr, gi, sr, -si)
-    er, ei = _pow(pw, tl.maximum(L - 1 - oc, 0)[:, None], om[None, :], ok[:, None] & mm[None, :], M)
-    yr, yi = _cmul(br[None, :], bi[None, :], er, ei)
-    cs = (i_bh * NC + ic) * 2 * M
-    ub = ub_ptr + cs * K
-    gb = gb_ptr + cs * V
-    _grad_dq(dq_ptr, k_ptr, wd, xr.to(DT), xi.to(DT), ub, rows, ok, om, mm, M, K, BK, PREC)
-    zsr, zsi, sur, sui = _grad_rev(dk_ptr, q_ptr, k_ptr, wdt, yr.to(DT), yi.to(DT), rub_ptr + cs * K, ub, rows, ok,
-                                   om, mm, M, K, C, BK, BM, PREC)
-    vsr, vsi, sgr, sgi = _grad_rev(dv_ptr, do_ptr, v_ptr, wt, yr.to(DT), yi.to(DT), rgb_ptr + cs * V, gb, rows, ok,
-                                   om, mm, M, V, C, BV, BM, PREC)
-    zsr += vsr
-    zsi += vsi
-    sur += sgr
-    sui += sgi
-    _state_partials(part_ptr, zsr, zsi, sur, sui, er, ei, br, bi, pw, L, oc, om, mm, i_bh, NC, ic, M)
-
-
-@triton.jit
 def _bwd_part_kernel(q_ptr, k_ptr, v_ptr, do_ptr, a_ptr, da_ptr, ub_ptr, gb_ptr, rub_ptr, rgb_ptr, b_ptr, pw_ptr,
                      dq_ptr, dk_ptr, dv_ptr, part_ptr, T, NC, H, M, K: tl.constexpr, V: tl.constexpr,
                      C: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
                      PART: tl.constexpr):
-    """One of _bwd_main_kernel's three outputs per launch (BWD_SPLIT): dq (PART 1), dk (2) or dv (4); the dk and dv
-    launches each write their (additive) share of the state parameter-gradient partials."""
+    """One gradient per launch: dq (PART 1), dk (2) or dv (4); the dk and dv launches each write their (additive)
+    share of the state parameter-gradient partials. One kernel for all three held every tile at once and spilled:
+    the three launches took 8.3 ms of backward against 10.5 ms (H200, T = 2K, M = 32,
+    tools/results/interdomain-2026-11-30.md)."""
     ic, i_bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
     i_b, i_h = i_bh // H, i_bh % H
     DT = q_ptr.dtype.element_ty
@@ -526,11 +507,9 @@ def _bwd_part_kernel(q_ptr, k_ptr, v_ptr, do_ptr, a_ptr, da_ptr, ub_ptr, gb_ptr,
     cs = (i_bh * NC + ic) * 2 * M
     ub = ub_ptr + cs * K
     gb = gb_ptr + cs * V
-    # b lam^n as [C, BM] and transposed [BM, C]
-    pr_, pi_ = _pow(pw, oc[:, None], om[None, :], mm[None, :], M)
-    pr_, pi_ = _cmul(br[None, :], bi[None, :], pr_, pi_)
-    if PART & 1:
+    if PART == 1:
         gr, gi, _, _ = _load_coef(da_ptr, rows, ok, oc, om, mm, M)
+        # (b lam^n)^T as [BM, C]
         ptr_, pti = _pow(pw, oc[None, :], om[:, None], mm[:, None], M)
         ptr_, pti = _cmul(br[:, None], bi[:, None], ptr_, pti)
         wd = _w_matrix(gr, gi, ptr_, pti, oc, DT, PREC).to(DT)
@@ -538,32 +517,22 @@ def _bwd_part_kernel(q_ptr, k_ptr, v_ptr, do_ptr, a_ptr, da_ptr, ub_ptr, gb_ptr,
         sr, si = _pow(pw, oc[:, None] + 1, om[None, :], mm[None, :], M)
         xr, xi = _cmul(gr, gi, sr, -si)
         _grad_dq(dq_ptr, k_ptr, wd, xr.to(DT), xi.to(DT), ub, rows, ok, om, mm, M, K, BK, PREC)
-    if PART & 6:
-        # b lam^(L-1-j) against the reverse states
+    else:
+        # b lam^n as [C, BM]; b lam^(L-1-j) against the reverse states; dk takes da (W_da^T q), dv a (W^T dO)
+        pr_, pi_ = _pow(pw, oc[:, None], om[None, :], mm[None, :], M)
+        pr_, pi_ = _cmul(br[None, :], bi[None, :], pr_, pi_)
         er, ei = _pow(pw, tl.maximum(L - 1 - oc, 0)[:, None], om[None, :], ok[:, None] & mm[None, :], M)
         yr, yi = _cmul(br[None, :], bi[None, :], er, ei)
-        zsr = tl.zeros([C, BM], dtype=tl.float32)
-        zsi = tl.zeros([C, BM], dtype=tl.float32)
-        sur = tl.zeros([BM], dtype=tl.float32)
-        sui = tl.zeros([BM], dtype=tl.float32)
-        if PART & 2:
-            _, _, gtr, gti = _load_coef(da_ptr, rows, ok, oc, om, mm, M)
-            wdt = _w_matrix_t(pr_, pi_, gtr, gti, oc, DT, PREC).to(DT)
-            ksr, ksi, kur, kui = _grad_rev(dk_ptr, q_ptr, k_ptr, wdt, yr.to(DT), yi.to(DT), rub_ptr + cs * K, ub,
+        if PART == 2:
+            _, _, ctr, cti = _load_coef(da_ptr, rows, ok, oc, om, mm, M)
+            wt = _w_matrix_t(pr_, pi_, ctr, cti, oc, DT, PREC).to(DT)
+            zsr, zsi, sur, sui = _grad_rev(dk_ptr, q_ptr, k_ptr, wt, yr.to(DT), yi.to(DT), rub_ptr + cs * K, ub,
                                            rows, ok, om, mm, M, K, C, BK, BM, PREC)
-            zsr += ksr
-            zsi += ksi
-            sur += kur
-            sui += kui
-        if PART & 4:
-            _, _, atr, ati = _load_coef(a_ptr, rows, ok, oc, om, mm, M)
-            wt = _w_matrix_t(pr_, pi_, atr, ati, oc, DT, PREC).to(DT)
-            vsr, vsi, sgr, sgi = _grad_rev(dv_ptr, do_ptr, v_ptr, wt, yr.to(DT), yi.to(DT), rgb_ptr + cs * V, gb,
+        else:
+            _, _, ctr, cti = _load_coef(a_ptr, rows, ok, oc, om, mm, M)
+            wt = _w_matrix_t(pr_, pi_, ctr, cti, oc, DT, PREC).to(DT)
+            zsr, zsi, sur, sui = _grad_rev(dv_ptr, do_ptr, v_ptr, wt, yr.to(DT), yi.to(DT), rgb_ptr + cs * V, gb,
                                            rows, ok, om, mm, M, V, C, BV, BM, PREC)
-            zsr += vsr
-            zsi += vsi
-            sur += sgr
-            sui += sgi
         _state_partials(part_ptr, zsr, zsi, sur, sui, er, ei, br, bi, pw, L, oc, om, mm, i_bh, NC, ic, M)
 
 
@@ -594,14 +563,17 @@ def _state_partials(part_ptr, zsr, zsi, sur, sui, er, ei, br, bi, pw, L, oc, om,
 
 # measured on the H200 (tools/results/interdomain-v2-2026-11-30.md): 4 warps beat 8 (14.6 vs 17.7 ms fwd+bwd at
 # 8K); capping registers at 128 or 168 per thread (more programs per SM) spills and was slower (22.4, 18.1 ms)
-NUM_WARPS = {"scan": 4, "fwd": 4, "bwd_a": 4, "bwd_main": 4}
-# scan with the full-chunk decay tables hoisted out of the chunk loop and per-token coefficients loaded one chunk
-# ahead (#3: the sequential loop is latency-bound at 64K, where only B*H = 16 rows run). Correct in the
-# interpreter; off until the GPU tests and tools/bench_interdomain.py's "scan-hoist" rows have run on an H200.
-SCAN_HOIST = False
-# the backward's main kernel as three kernels (dq; dk; dv, each with fewer live [C, C] and [C, M] tiles than the
-# fused one, which sits at 255 registers); correct in the interpreter, off until timed on an H200 (#3)
-BWD_SPLIT = False
+NUM_WARPS = {"scan": 4, "fwd": 4, "bwd_a": 4, "bwd_dq": 4, "bwd_dk": 4, "bwd_dv": 4}
+# scans with the full-chunk decay tables hoisted out of the chunk loop and the next chunk's features (and per-token
+# coefficients) loaded one chunk ahead. Measured on the H200 (ms per scan, M = 32, T = 2K / 64K): per-token reverse
+# 0.315 / 1.437 plain, 0.260 / 0.931 hoisted; constant-b forward 0.239 / 0.686 plain, 0.194 / 0.838 hoisted. The
+# forward scans stay plain: 64K, the slowest point of the flatness target, is where hoisting them lost.
+SCAN_HOIST = {"const": False, "per_token": True}
+# bwd_a's lag sums from the transposed sheared Q K^T / dO V^T (tl.trans of a gather) instead of a second product
+# accumulated transposed; off until the GPU tests and tools/bench_interdomain.py --sweep have run it on an H200 (#3)
+BWD_A_TSHEAR = False
+# scans over fewer than SCAN_SEGMENT_BELOW (b, h, state tile) rows run in segments of SCAN_SEGMENT chunks (0: never)
+SCAN_SEGMENT, SCAN_SEGMENT_BELOW = 32, 512
 
 
 def powers(decay: torch.Tensor, C: int) -> torch.Tensor:
@@ -612,27 +584,75 @@ def powers(decay: torch.Tensor, C: int) -> torch.Tensor:
     return pw
 
 
-def scan(z, b, pw, C, c=None, x0=None, rev=False):
+def scan(z, b, pw, decay, C, c=None, x0=None, rev=False):
     """Chunk-boundary states of X_t = lam X_{t-1} + coef_t z_t (coef = b, or c [B, T, H, 2, M] per token).
 
     rev: the adjoint S_{c-1} = conj(lam)^L S_c + sum_j conj(lam)^(j+1) c_j z_j over the same chunks, from the last
     chunk back. Returns the states [B, H, NC, 2, M, D] in z's dtype (before each chunk in the scan's direction) and
-    the last one [B, H, 2, M, D] fp32. x0: [B, H, 2, M, D] fp32 or None."""
+    the last one [B, H, 2, M, D] fp32. x0: [B, H, 2, M, D] fp32 or None.
+
+    With few (b, h) rows (long sequences) the chunk loop is latency-bound on a few SMs, so the sequence is cut into
+    segments of SCAN_SEGMENT chunks that run side by side: a first pass takes each segment's end state from zero
+    (no stores), _segment_starts carries them across segments, and a second pass stores the boundaries."""
     B, T, H, D = z.shape
     M, NC = b.shape[1], triton.cdiv(T, C)
-    xb = z.new_empty(B, H, NC, 2, M, D)
-    xf = z.new_empty(B, H, 2, M, D, dtype=torch.float32)
-    BM = min(_next_pow2(M), 32)
-    BD = min(_next_pow2(D), 64)
-    if B * H * triton.cdiv(D, BD) * triton.cdiv(M, BM) < 264:
-        # few (b, h) rows (long sequences): smaller tiles give the sequential chunk loop more SMs; going further, to
-        # 16 x 16 tiles, was measured slower (one scan at T = 64K: 1.01 ms against 0.69 ms with 16 x 32)
+    BM, BD = min(_next_pow2(M), 32), min(_next_pow2(D), 64)
+    rows = B * H * triton.cdiv(D, BD) * triton.cdiv(M, BM)
+    seg = NC if rows >= SCAN_SEGMENT_BELOW or SCAN_SEGMENT == 0 else min(SCAN_SEGMENT, NC)
+    if seg == NC and rows < 264:
+        # unsegmented and few rows: smaller tiles give the sequential chunk loop more SMs; going further, to 16 x 16
+        # tiles, was measured slower (one scan at T = 64K: 1.01 ms against 0.69 ms with 16 x 32)
         BM, BD = 16, min(BD, 32)
-    grid = (B * H, triton.cdiv(D, BD), triton.cdiv(M, BM))
-    _scan_kernel[grid](z, c if c is not None else z, b, pw, x0 if x0 is not None else z, xb, xf, T, NC, H, D, M,
-                       C=C, BM=BM, BD=BD, PER_TOKEN=c is not None, HAS_INIT=x0 is not None, REV=rev,
-                       PREC=_prec(z), HOIST=SCAN_HOIST, INTERPRET=_interpret(), num_warps=NUM_WARPS["scan"])
-    return xb, xf
+    NS = triton.cdiv(NC, seg)
+    xb = z.new_empty(B, H, NC, 2, M, D)
+    xf = z.new_empty(B, H, NS, 2, M, D, dtype=torch.float32)
+    grid = (B * H * NS, triton.cdiv(D, BD), triton.cdiv(M, BM))
+
+    def run(start, store):
+        _scan_kernel[grid](z, c if c is not None else z, b, pw, start if start is not None else z, xb, xf, T, NC,
+                           H, D, M, NS, seg, C=C, BM=BM, BD=BD, PER_TOKEN=c is not None, HAS_INIT=start is not None,
+                           REV=rev, PREC=_prec(z), HOIST=SCAN_HOIST["per_token" if c is not None else "const"],
+                           STORE=store, INTERPRET=_interpret(), num_warps=NUM_WARPS["scan"])
+
+    if NS == 1:
+        run(x0, True)
+        return xb, xf[:, :, 0]
+    run(None, False)
+    starts, last = _segment_starts(xf, x0, decay, C * seg, T, rev)
+    run(starts, True)
+    return xb, last
+
+
+def _segment_starts(ends, x0, decay, L, T, rev):
+    """Start states of the scan's segments and its last state, from each segment's end state taken from zero.
+
+    ends: [B, H, NS, 2, M, D] fp32; segment s covers tokens [s L, min((s + 1) L, T)). The state entering a segment
+    (forward: at its first token; rev: after its last) is x0 and every earlier segment's end state, each carried
+    by lam^distance (conj(lam) in reverse); the distances are exact integers and the powers fp64."""
+    NS = ends.shape[2]
+    pos = torch.tensor([min(s * L, T) for s in range(NS + 1)], dtype=torch.float64, device=ends.device)
+    if rev:
+        at = torch.cat((pos[1:], pos[:1]))  # entering segment s at its end; the last state at token 0
+        dist = pos[None, :NS] - at[:, None]  # from segment r's start (r > s)
+        dist0 = T - at
+    else:
+        at = pos  # entering segment s at its start; the last state at T
+        dist = at[:, None] - pos[None, 1:]  # from segment r's end (r < s)
+        dist0 = at
+    alpha, theta = decay.double().unbind(-1)  # [H, M]
+    sign = -1.0 if rev else 1.0
+
+    def lam_pow(n):  # lam^n as complex [H, M, *n.shape], 0 where n < 0
+        shape = (*alpha.shape, *[1] * n.dim())
+        p = torch.polar(torch.exp(n * alpha.view(shape)), sign * n * theta.view(shape))
+        return torch.where(n >= 0, p, 0).to(torch.complex64)
+
+    e = torch.complex(ends[:, :, :, 0], ends[:, :, :, 1])  # [B, H, NS, M, D]
+    out = torch.einsum("hmtr,bhrmd->bhtmd", lam_pow(dist), e)
+    if x0 is not None:
+        out += lam_pow(dist0).permute(0, 2, 1)[None, :, :, :, None] * torch.complex(x0[:, :, 0], x0[:, :, 1])[:, :, None]
+    out = torch.stack((out.real, out.imag), 3)  # [B, H, NS + 1, 2, M, D]
+    return out[:, :, :NS].contiguous(), out[:, :, NS].contiguous()
 
 
 def _sizes(q, v, b):
@@ -650,8 +670,8 @@ def interdomain_fwd(q, k, v, decay, b, u0=None, g0=None, chunk_size=64):
     B, T, H, _ = q.shape
     C, M, NC = chunk_size, b.shape[1], triton.cdiv(T, chunk_size)
     pw = powers(decay, C)
-    ub, uf = scan(k, b, pw, C, x0=u0)
-    gb, gf = scan(v, b, pw, C, x0=g0)
+    ub, uf = scan(k, b, pw, decay, C, x0=u0)
+    gb, gf = scan(v, b, pw, decay, C, x0=g0)
     o = torch.empty_like(v)
     _fwd_kernel[(NC, B * H)](q, k, v, ub, gb, b, pw, o, T, NC, H, M, C=C, **_sizes(q, v, b),
                              num_warps=NUM_WARPS["fwd"])
@@ -663,8 +683,8 @@ def interdomain_bwd(q, k, v, decay, b, u0, g0, do, duf, dgf, chunk_size=64):
     B, T, H, _ = q.shape
     C, M, NC = chunk_size, b.shape[1], triton.cdiv(T, chunk_size)
     pw = powers(decay, C)
-    ub, _ = scan(k, b, pw, C, x0=u0)
-    gb, _ = scan(v, b, pw, C, x0=g0)
+    ub, _ = scan(k, b, pw, decay, C, x0=u0)
+    gb, _ = scan(v, b, pw, decay, C, x0=g0)
     # a and da feed bf16 products and scan coefficients only, so a 16-bit copy of bf16 runs loses nothing
     cdt = torch.bfloat16 if q.dtype == torch.bfloat16 else torch.float32
     a = q.new_empty(B, T, H, 2, M, dtype=cdt)
@@ -672,20 +692,14 @@ def interdomain_bwd(q, k, v, decay, b, u0, g0, do, duf, dgf, chunk_size=64):
     part_a = q.new_empty(B, H, NC, 4, M, dtype=torch.float32)
     sizes = _sizes(q, v, b)
     _bwd_a_kernel[(NC, B * H)](q, k, v, do, ub, gb, b, pw, a, da, part_a, T, NC, H, M, C=C, **sizes,
-                               num_warps=NUM_WARPS["bwd_a"])
-    rub, du0 = scan(q, b, pw, C, c=da, x0=duf, rev=True)
-    rgb, dg0 = scan(do, b, pw, C, c=a, x0=dgf, rev=True)
+                               TSHEAR=BWD_A_TSHEAR, num_warps=NUM_WARPS["bwd_a"])
+    rub, du0 = scan(q, b, pw, decay, C, c=da, x0=duf, rev=True)
+    rgb, dg0 = scan(do, b, pw, decay, C, c=a, x0=dgf, rev=True)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    parts = (1, 2, 4) if BWD_SPLIT else (7,)
-    # the dq-only kernel of the split writes no partials, so the split's slots start at zero
-    alloc = q.new_zeros if BWD_SPLIT else q.new_empty
-    part_m = alloc(len(parts), B, H, NC, 4, M, dtype=torch.float32)
-    for i, part in enumerate(parts):
-        args = (q, k, v, do, a, da, ub, gb, rub, rgb, b, pw, dq, dk, dv, part_m[i], T, NC, H, M)
-        if part == 7:
-            _bwd_main_kernel[(NC, B * H)](*args, C=C, **sizes, num_warps=NUM_WARPS["bwd_main"])
-        else:
-            _bwd_part_kernel[(NC, B * H)](*args, C=C, **sizes, PART=part, num_warps=NUM_WARPS["bwd_main"])
+    part_m = q.new_empty(2, B, H, NC, 4, M, dtype=torch.float32)  # the dk and dv shares; dq writes none
+    for part, slot, key in ((1, 0, "bwd_dq"), (2, 0, "bwd_dk"), (4, 1, "bwd_dv")):
+        _bwd_part_kernel[(NC, B * H)](q, k, v, do, a, da, ub, gb, rub, rgb, b, pw, dq, dk, dv, part_m[slot], T, NC,
+                                      H, M, C=C, **sizes, PART=part, num_warps=NUM_WARPS[key])
     sums = (part_a.double() + part_m.double().sum(0)).sum((0, 2))  # [H, 4, M]
     ddecay = torch.stack((sums[:, 2], sums[:, 3]), -1).float()
     dbb = torch.stack((sums[:, 0], sums[:, 1]), -1).float()

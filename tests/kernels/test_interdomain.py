@@ -122,30 +122,54 @@ def test_step_repeated_equals_chunk(normalize):
     assert_close(o1, o[:, 0], FP32_TOL, "one step")
 
 
-@pytest.fixture
-def scan_hoist(monkeypatch):
+@pytest.fixture(params=[True, False], ids=["all-hoisted", "none-hoisted"])
+def scan_hoist(monkeypatch, request):
+    """Both scan loops for both scan kinds (the default hoists only the per-token scans)."""
     from kernels.interdomain import chunk
 
-    monkeypatch.setattr(chunk, "SCAN_HOIST", True)
+    monkeypatch.setattr(chunk, "SCAN_HOIST", {"const": request.param, "per_token": request.param})
 
 
 @pytest.mark.parametrize("T,C,init", [(63, 64, True), (64, 64, False), (100, 32, True), (300, 64, True)])
-def test_hoisted_scan_matches_naive(nan_empty, scan_hoist, T, C, init):
-    """The scan with hoisted full-chunk tables (chunk.SCAN_HOIST): no full chunk, only full chunks, a partial one."""
+def test_scan_loops_match_naive(nan_empty, scan_hoist, T, C, init):
+    """Hoisted full-chunk tables and the plain loop: no full chunk, only full chunks, a partial one."""
     inputs = make_inputs(1, T, 2, 16, 24, 8, init=init, strong=T == 300)
     compare(inputs, FP32_TOL, chunk_size=C)
 
 
-@pytest.fixture
-def bwd_split(monkeypatch):
+@pytest.fixture(params=[True, False], ids=["hoisted", "plain"])
+def segmented(monkeypatch, request):
+    """Every scan in segments of two chunks (the GPU cuts only long sequences, in segments of 32 chunks)."""
     from kernels.interdomain import chunk
 
-    monkeypatch.setattr(chunk, "BWD_SPLIT", True)
+    monkeypatch.setattr(chunk, "SCAN_SEGMENT", 2)
+    monkeypatch.setattr(chunk, "SCAN_SEGMENT_BELOW", 1 << 30)
+    monkeypatch.setattr(chunk, "SCAN_HOIST", {"const": request.param, "per_token": request.param})
+
+
+@pytest.mark.parametrize("T,C,init,normalize,strong", [
+    (300, 32, True, False, False),  # 5 segments, the last one ending in a partial chunk
+    (300, 64, True, True, True),  # the last segment is only the partial chunk
+    (128, 32, False, False, False),  # 2 segments, full chunks only
+    (64, 64, True, False, False),  # one chunk: one segment
+])
+def test_segmented_scans_match_naive(nan_empty, segmented, T, C, init, normalize, strong):
+    """Output, final state and every gradient (the reverse scans segmented too) with the state carried across
+    segments by _segment_starts."""
+    inputs = make_inputs(1, T, 2, 16, 24, 8, init=init, normalize=normalize, strong=strong)
+    compare(inputs, FP32_TOL, chunk_size=C, normalize=normalize)
+
+
+@pytest.fixture
+def tshear(monkeypatch):
+    from kernels.interdomain import chunk
+
+    monkeypatch.setattr(chunk, "BWD_A_TSHEAR", True)
 
 
 @pytest.mark.parametrize("T,M,normalize", [(100, 8, True), (300, 32, False)])
-def test_split_backward_matches_naive(nan_empty, bwd_split, T, M, normalize):
-    """The backward's main kernel as three launches (chunk.BWD_SPLIT): dq, dk, dv and every parameter gradient."""
+def test_transposed_shear_backward_matches_naive(nan_empty, tshear, T, M, normalize):
+    """bwd_a's lag sums from the transposed sheared products (chunk.BWD_A_TSHEAR): every gradient."""
     compare(make_inputs(1, T, 2, 16, 24, M, normalize=normalize), FP32_TOL, normalize=normalize)
 
 
@@ -206,8 +230,19 @@ def test_hoisted_scan_gpu_bf16(nan_empty, scan_hoist, T, M):
 @pytest.mark.gpu
 @requires_gpu
 @pytest.mark.parametrize("T,M", [(300, 32), (1000, 64)])
-def test_split_backward_gpu_bf16(nan_empty, bwd_split, T, M):
+def test_transposed_shear_backward_gpu_bf16(nan_empty, tshear, T, M):
     compare(make_inputs(2, T, 3, 128, 128, M, dtype=torch.bfloat16), BF16_TOL, BF16_GRAD_TOL)
+
+
+@pytest.mark.gpu
+@requires_gpu
+def test_segmented_scans_gpu_bf16(nan_empty, monkeypatch):
+    """The long-sequence scan path (segments of 32 chunks, few rows) at T = 4200: 3 segments, a partial chunk."""
+    from kernels.interdomain import chunk
+
+    assert chunk.SCAN_SEGMENT == 32
+    inputs = make_inputs(1, 4200, 2, 128, 128, 32, dtype=torch.bfloat16, init=True)
+    compare(inputs, BF16_TOL, BF16_GRAD_TOL)
 
 
 # Fused recurrent kernel (recurrent.py): forward only, decoding and short prompts
