@@ -32,9 +32,9 @@ def cost_model(M, K=D, V=D, C=64):
     chunk-boundary states (2 M D per chunk) and the per-token a, da (2 M each) counted once per read or write."""
     BM = max(16, 1 << (M - 1).bit_length())
     scan = lambda Dz: 4 * BM * Dz  # noqa: E731  [M, C] x [C, D], re and im
-    readout_a = lambda Dx, trans: (4 if trans else 2) * C * Dx + 4 * Dx * BM + 4 * C * BM  # noqa: E731
-    fwd_k = readout_a(K, False) + 4 * C * BM + 4 * BM * V + 2 * C * V
-    bwd_a = readout_a(K, True) + readout_a(V, True) + 8 * C * BM
+    readout_a = lambda Dx: 2 * C * Dx + 4 * Dx * BM + 4 * C * BM  # noqa: E731
+    fwd_k = readout_a(K) + 4 * C * BM + 4 * BM * V + 2 * C * V
+    bwd_a = readout_a(K) + readout_a(V) + 8 * C * BM
     bwd_main = 12 * C * BM + (2 * C * K + 4 * BM * K) + (2 * C * K + 8 * BM * K) + (2 * C * V + 8 * BM * V)
     fwd = scan(K) + scan(V) + fwd_k
     bwd = 2 * scan(K) + 2 * scan(V) + bwd_a + bwd_main
@@ -76,8 +76,7 @@ def compile_report(Ms=(32, 64), warps=(4, 8)):
         common = dict(K=D, V=D, C=64, BM=max(64, 1 << (M - 1).bit_length()), BK=64, BV=64, PREC="tf32")
         for nw in warps:
             build(f"fwd M={M}", ch._fwd_kernel, common, nw)
-            for tshear in (False, True):
-                build(f"bwd_a M={M} tshear={tshear}", ch._bwd_a_kernel, dict(common, TSHEAR=tshear), nw)
+            build(f"bwd_a M={M}", ch._bwd_a_kernel, common, nw)
             for part in (1, 2, 4):
                 build(f"bwd_part {part} M={M}", ch._bwd_part_kernel, dict(common, PART=part), nw)
     for bm, bd in ((32, 64), (16, 32)):
@@ -132,13 +131,13 @@ def _launches(T, M, C=64):
     dq, dk, dv = (torch.empty_like(q) for _ in range(3))
     sizes, grid = ch._sizes(q, v, b), (NC, B * H)
     bwd_args = (q, k, v, do, a, da, ub, gb, rub, rgb, b, pw, dq, dk, dv, part, T, NC, H, M)
-    out = {"fwd": lambda nw, **f: ch._fwd_kernel[grid](q, k, v, ub, gb, b, pw, do, T, NC, H, M, C=C, **sizes,
-                                                       num_warps=nw, **f),
+    out = {"fwd": lambda nw, **f: ch._fwd_kernel[grid](q, k, v, ub, gb, b, pw, do, T, NC, H, M, C=C,
+                                                       **{**sizes, **f}, num_warps=nw),
            "bwd_a": lambda nw, **f: ch._bwd_a_kernel[grid](q, k, v, do, ub, gb, b, pw, a, da, part, T, NC, H, M,
-                                                           C=C, **sizes, num_warps=nw,
-                                                           **{"TSHEAR": ch.BWD_A_TSHEAR, **f})}
+                                                           C=C, **{**sizes, **f}, num_warps=nw)}
     for key, pt in (("bwd_dq", 1), ("bwd_dk", 2), ("bwd_dv", 4)):
-        out[key] = lambda nw, pt=pt, **f: ch._bwd_part_kernel[grid](*bwd_args, C=C, **sizes, PART=pt, num_warps=nw)
+        out[key] = lambda nw, pt=pt, **f: ch._bwd_part_kernel[grid](*bwd_args, C=C, **{**sizes, **f}, PART=pt,
+                                                                    num_warps=nw)
     totals = {"fwd total": lambda: ch.interdomain_fwd(q, k, v, decay, b, chunk_size=C),
               "bwd total": lambda: ch.interdomain_bwd(q, k, v, decay, b, None, None, do, None, None, C)}
     scans = {"scan": lambda: ch.scan(k, b, pw, decay, C),
@@ -159,8 +158,9 @@ def breakdown(T, M, C=64):
     return {k: round(x, 3) for k, x in out.items()}
 
 
-def sweep(Ts=(2048, 65536), M=32):
-    """Each launch at 4 and 8 warps (bwd_a with TSHEAR off and on): milliseconds, and the registers and spilled
+def sweep(Ts=(2048,), M=32):
+    """Each launch with feature tiles BK = BV of 32 and 64 (4 warps; 8 warps lost for every kernel in the
+    2026-11-30 sweep): milliseconds, and the registers and spilled
     bytes of the GPU's own build (the offline --compile-report build differs from it); then the scans and the
     fwd / bwd totals with segmented scans on and off, at three lengths."""
     rows = []
@@ -176,13 +176,12 @@ def sweep(Ts=(2048, 65536), M=32):
     for T in Ts:
         launches, _, _ = _launches(T, M)
         for name, fn in launches.items():
-            for nw in (4, 8):
-                for f in ([{"TSHEAR": False}, {"TSHEAR": True}] if name == "bwd_a" else [{}]):
-                    r = {"T": T, "kernel": name + "".join(f" {k}={x}" for k, x in f.items()), "warps": nw}
-                    add(r, lambda: fn(nw, **f))
-                    if "error" not in r:
-                        kern = fn(nw, **f)  # Triton returns the compiled kernel it launched
-                        r.update(regs=kern.n_regs, spills=kern.n_spills)
+            for bd in (32, 64):
+                r = {"T": T, "kernel": f"{name} BK=BV={bd}", "warps": 4}
+                add(r, lambda: fn(4, BK=bd, BV=bd))
+                if "error" not in r:
+                    kern = fn(4, BK=bd, BV=bd)  # Triton returns the compiled kernel it launched
+                    r.update(regs=kern.n_regs, spills=kern.n_spills)
         torch.cuda.empty_cache()
     for T in (2048, 8192, 65536):
         _, scans, totals = _launches(T, M)
@@ -283,8 +282,6 @@ def jobs_for(Ts, only_ours):
     hoisted = lambda T: _with_attr(ch, "SCAN_HOIST", {"const": True, "per_token": True},  # noqa: E731
                                    lambda: ours(T, 32))
     jobs += [("interdomain C=64 all scans hoisted", T, 32, lambda T=T: hoisted(T)) for T in (2048, 65536)]
-    tshear = lambda T: _with_attr(ch, "BWD_A_TSHEAR", not ch.BWD_A_TSHEAR, lambda: ours(T, 32))  # noqa: E731
-    jobs += [(f"interdomain C=64 tshear={not ch.BWD_A_TSHEAR}", T, 32, lambda T=T: tshear(T)) for T in (2048, 65536)]
     jobs += [("interdomain C=64", T, 64, lambda T=T: ours(T, 64)) for T in Ts]
     if not only_ours:
         jobs += [(f"sdpa-{be}", T, "-", lambda T=T, be=be: sdpa(T, be)) for be in ("flash", "cudnn") for T in Ts]

@@ -268,15 +268,70 @@ def _scan_kernel(z_ptr, c_ptr, b_ptr, pw_ptr, x0_ptr, xb_ptr, xf_ptr, T, NC, H, 
 
 
 @triton.jit
+def _carry_kernel(end_ptr, x0_ptr, start_ptr, last_ptr, decay_ptr, T, H, D, M, NS, L, BM: tl.constexpr,
+                  BD: tl.constexpr, HAS_INIT: tl.constexpr, REV: tl.constexpr, INTERPRET: tl.constexpr):
+    """Start states of a segmented scan and its last state, from each segment's end state taken from zero.
+
+    end, start: [B, H, NS, 2, M, D] fp32; segment s covers tokens [s L, min((s + 1) L, T)). Walking the segments in
+    the scan's direction from x0, the state entering a segment is stored, then carried over it by lam^length
+    (conj(lam) in reverse; fp64 powers) and its end state added."""
+    i_bh, i_d, i_m = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
+    i_h = i_bh % H
+    om = i_m * BM + tl.arange(0, BM)
+    od = i_d * BD + tl.arange(0, BD)
+    mm, md = om < M, od < D
+    mmd = mm[:, None] & md[None, :]
+    st = om[:, None] * D + od[None, :]
+    al = tl.load(decay_ptr + (i_h * M + om) * 2, mask=mm, other=0.0).to(tl.float64)
+    th = tl.load(decay_ptr + (i_h * M + om) * 2 + 1, mask=mm, other=0.0).to(tl.float64)
+    if REV:
+        th = -th
+    n_last = (T - (NS - 1) * L).to(tl.float64)
+    fr, fi = tl.exp(L * al) * tl.cos(L * th), tl.exp(L * al) * tl.sin(L * th)
+    lr, li = tl.exp(n_last * al) * tl.cos(n_last * th), tl.exp(n_last * al) * tl.sin(n_last * th)
+    xr = tl.zeros([BM, BD], dtype=tl.float32)
+    xi = tl.zeros([BM, BD], dtype=tl.float32)
+    if HAS_INIT:
+        xr = tl.load(x0_ptr + i_bh * 2 * M * D + st, mask=mmd, other=0.0)
+        xi = tl.load(x0_ptr + i_bh * 2 * M * D + M * D + st, mask=mmd, other=0.0)
+    # the interpreter (numpy >= 2.4) cannot take a runtime range() bound
+    if INTERPRET:
+        j = 0
+        while j < NS:
+            xr, xi = _carry_step(j, xr, xi, end_ptr, start_ptr, fr, fi, lr, li, i_bh, NS, st, mmd, M, D, REV)
+            j += 1
+    else:
+        for j in range(NS):
+            xr, xi = _carry_step(j, xr, xi, end_ptr, start_ptr, fr, fi, lr, li, i_bh, NS, st, mmd, M, D, REV)
+    tl.store(last_ptr + i_bh * 2 * M * D + st, xr, mask=mmd)
+    tl.store(last_ptr + i_bh * 2 * M * D + M * D + st, xi, mask=mmd)
+
+
+@triton.jit
+def _carry_step(j, xr, xi, end_ptr, start_ptr, fr, fi, lr, li, i_bh, NS, st, mmd, M, D, REV: tl.constexpr):
+    if REV:
+        s = NS - 1 - j
+    else:
+        s = j
+    p = (i_bh * NS + s) * 2 * M * D + st
+    tl.store(start_ptr + p, xr, mask=mmd)
+    tl.store(start_ptr + p + M * D, xi, mask=mmd)
+    last = s == NS - 1
+    pr = tl.where(last, lr, fr).to(tl.float32)[:, None]
+    pi = tl.where(last, li, fi).to(tl.float32)[:, None]
+    xr, xi = _cmul(pr, pi, xr, xi)
+    return xr + tl.load(end_ptr + p, mask=mmd, other=0.0), xi + tl.load(end_ptr + p + M * D, mask=mmd, other=0.0)
+
+
+@triton.jit
 def _readout_a(x_ptr, z_ptr, sb, pw, br, bi, rows, ok, oc, om, mm, M, D: tl.constexpr, C: tl.constexpr,
-               BD: tl.constexpr, BM: tl.constexpr, TRANS: tl.constexpr, PREC: tl.constexpr):
+               BD: tl.constexpr, BM: tl.constexpr, PREC: tl.constexpr):
     """a_t = sum_{s<=t in chunk} b lam^(t-s) (x_t . z_s) + lam^(j+1) (x_t . S[m]) with S the chunk-start state.
 
-    Returns (a re, a im, inter re, inter im) as [C, BM] fp32, Z X^T as [C, C] fp32 (only with TRANS) and the sheared
-    X Z^T, D[t, n] = x_t . z_(t-n), as [C, C] in x's dtype."""
+    Returns (a re, a im, inter re, inter im) as [C, BM] fp32 and the sheared X Z^T, D[t, n] = x_t . z_(t-n), as
+    [C, C] in x's dtype."""
     DT = x_ptr.dtype.element_ty
     att = tl.zeros([C, C], dtype=tl.float32)
-    att_t = tl.zeros([C, C], dtype=tl.float32)
     pr = tl.zeros([C, BM], dtype=tl.float32)
     pi = tl.zeros([C, BM], dtype=tl.float32)
     for d0 in tl.static_range(0, D, BD):
@@ -287,10 +342,6 @@ def _readout_a(x_ptr, z_ptr, sb, pw, br, bi, rows, ok, oc, om, mm, M, D: tl.cons
         xt = tl.load(x_ptr + rows[:, None] * D + od[None, :], mask=mrow, other=0.0).to(DT)
         zc = tl.load(z_ptr + rows[None, :] * D + od[:, None], mask=mcol, other=0.0).to(DT)
         att += tl.dot(xt, zc, input_precision=PREC)
-        if TRANS:
-            zt = tl.load(z_ptr + rows[:, None] * D + od[None, :], mask=mrow, other=0.0).to(DT)
-            xc = tl.load(x_ptr + rows[None, :] * D + od[:, None], mask=mcol, other=0.0).to(DT)
-            att_t += tl.dot(zt, xc, input_precision=PREC)
         ps = sb + om[None, :] * D + od[:, None]
         ms = md[:, None] & mm[None, :]
         pr += tl.dot(xt, tl.load(ps, mask=ms, other=0.0).to(DT), input_precision=PREC)
@@ -303,7 +354,7 @@ def _readout_a(x_ptr, z_ptr, sb, pw, br, bi, rows, ok, oc, om, mm, M, D: tl.cons
     sr, si = _pow(pw, oc[:, None] + 1, om[None, :], mm[None, :], M)
     pr, pi = _cmul(sr, si, pr, pi)
     ar, ai = _cmul(br, bi, hr, hi)
-    return ar + pr, ai + pi, pr, pi, att_t, sheared
+    return ar + pr, ai + pi, pr, pi, sheared
 
 
 @triton.jit
@@ -340,8 +391,8 @@ def _fwd_kernel(q_ptr, k_ptr, v_ptr, ub_ptr, gb_ptr, b_ptr, pw_ptr, o_ptr, T, NC
     br = tl.load(b_ptr + (i_h * M + om) * 2, mask=mm, other=0.0)
     bi = tl.load(b_ptr + (i_h * M + om) * 2 + 1, mask=mm, other=0.0)
     ub = ub_ptr + (i_bh * NC + ic) * 2 * M * K
-    ar, ai, _, _, _, _ = _readout_a(q_ptr, k_ptr, ub, pw, br[None, :], bi[None, :], rows, ok, oc, om, mm, M, K, C, BK,
-                                 BM, False, PREC)
+    ar, ai, _, _, _ = _readout_a(q_ptr, k_ptr, ub, pw, br[None, :], bi[None, :], rows, ok, oc, om, mm, M, K, C, BK,
+                                 BM, PREC)
     ptr_, pti = _pow(pw, oc[None, :], om[:, None], mm[:, None], M)
     ptr_, pti = _cmul(br[:, None], bi[:, None], ptr_, pti)
     w = _w_matrix(ar, ai, ptr_, pti, oc, DT, PREC).to(DT)
@@ -366,7 +417,7 @@ def _fwd_kernel(q_ptr, k_ptr, v_ptr, ub_ptr, gb_ptr, b_ptr, pw_ptr, o_ptr, T, NC
 @triton.jit
 def _bwd_a_kernel(q_ptr, k_ptr, v_ptr, do_ptr, ub_ptr, gb_ptr, b_ptr, pw_ptr, a_ptr, da_ptr, part_ptr, T, NC, H, M,
                   K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
-                  BV: tl.constexpr, PREC: tl.constexpr, TSHEAR: tl.constexpr):
+                  BV: tl.constexpr, PREC: tl.constexpr):
     ic, i_bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
     i_b, i_h = i_bh // H, i_bh % H
     DT = q_ptr.dtype.element_ty
@@ -380,10 +431,8 @@ def _bwd_a_kernel(q_ptr, k_ptr, v_ptr, do_ptr, ub_ptr, gb_ptr, b_ptr, pw_ptr, a_
     bi = tl.load(b_ptr + (i_h * M + om) * 2 + 1, mask=mm, other=0.0)[None, :]
     ub = ub_ptr + (i_bh * NC + ic) * 2 * M * K
     gb = gb_ptr + (i_bh * NC + ic) * 2 * M * V
-    ar, ai, par, pai, att_t, shq = _readout_a(q_ptr, k_ptr, ub, pw, br, bi, rows, ok, oc, om, mm, M, K, C, BK, BM,
-                                              not TSHEAR, PREC)
-    gr, gi, pgr, pgi, attg_t, shd = _readout_a(do_ptr, v_ptr, gb, pw, br, bi, rows, ok, oc, om, mm, M, V, C, BV, BM,
-                                               not TSHEAR, PREC)
+    ar, ai, par, pai, shq = _readout_a(q_ptr, k_ptr, ub, pw, br, bi, rows, ok, oc, om, mm, M, K, C, BK, BM, PREC)
+    gr, gi, pgr, pgi, shd = _readout_a(do_ptr, v_ptr, gb, pw, br, bi, rows, ok, oc, om, mm, M, V, C, BV, BM, PREC)
     out = rows[:, None] * 2 * M + om[None, :]
     mo = ok[:, None] & mm[None, :]
     tl.store(a_ptr + out, ar.to(a_ptr.dtype.element_ty), mask=mo)
@@ -394,14 +443,12 @@ def _bwd_a_kernel(q_ptr, k_ptr, v_ptr, do_ptr, ub_ptr, gb_ptr, b_ptr, pw_ptr, a_
     wj = (oc + 1).to(tl.float32)[:, None]
     lr = tl.sum(wj * (gr * par + gi * pai + ar * pgr + ai * pgi), 0)
     li = tl.sum(wj * (gi * par - gr * pai + ai * pgr - ar * pgi), 0)
-    # lag sums c[n, m] = sum_s A[s, s-n] da_s + Ag[s, s-n] a_s (A = Q K^T, Ag = dO V^T) from the sheared transposes
-    if TSHEAR:
-        sh = tl.trans(shq)
-        shg = tl.trans(shd)
-    else:
-        up, gidx = _upper(oc)
-        sh = tl.where(up, tl.gather(att_t, gidx, 0), 0.0).to(DT)
-        shg = tl.where(up, tl.gather(attg_t, gidx, 0), 0.0).to(DT)
+    # lag sums c[n, m] = sum_t A[t, t-n] da_t + Ag[t, t-n] a_t (A = Q K^T, Ag = dO V^T): D^T da + Dg^T a with the
+    # sheared D, Dg of the readouts. Transposing them (a gather result, not a dot result: the Hopper miscompile of
+    # flash-linear-attention issue 640 is tl.trans of a tl.dot) replaced a second, transposed Q K^T and dO V^T
+    # product: bwd_a 2.56 against 3.66 ms on the H200 (interdomain-sweep-2026-11-30.md), spills 310 against 488 B
+    sh = tl.trans(shq)
+    shg = tl.trans(shd)
     cr = tl.dot(sh, gr.to(DT), input_precision=PREC) + tl.dot(shg, ar.to(DT), input_precision=PREC)
     ci = tl.dot(sh, gi.to(DT), input_precision=PREC) + tl.dot(shg, ai.to(DT), input_precision=PREC)
     nr, ni = _pow(pw, oc[:, None], om[None, :], mm[None, :], M)
@@ -569,9 +616,6 @@ NUM_WARPS = {"scan": 4, "fwd": 4, "bwd_a": 4, "bwd_dq": 4, "bwd_dk": 4, "bwd_dv"
 # 0.315 / 1.437 plain, 0.260 / 0.931 hoisted; constant-b forward 0.239 / 0.686 plain, 0.194 / 0.838 hoisted. The
 # forward scans stay plain: 64K, the slowest point of the flatness target, is where hoisting them lost.
 SCAN_HOIST = {"const": False, "per_token": True}
-# bwd_a's lag sums from the transposed sheared Q K^T / dO V^T (tl.trans of a gather) instead of a second product
-# accumulated transposed; off until the GPU tests and tools/bench_interdomain.py --sweep have run it on an H200 (#3)
-BWD_A_TSHEAR = False
 # scans over fewer than SCAN_SEGMENT_BELOW (b, h, state tile) rows run in segments of SCAN_SEGMENT chunks (0: never)
 SCAN_SEGMENT, SCAN_SEGMENT_BELOW = 32, 512
 
@@ -593,7 +637,7 @@ def scan(z, b, pw, decay, C, c=None, x0=None, rev=False):
 
     With few (b, h) rows (long sequences) the chunk loop is latency-bound on a few SMs, so the sequence is cut into
     segments of SCAN_SEGMENT chunks that run side by side: a first pass takes each segment's end state from zero
-    (no stores), _segment_starts carries them across segments, and a second pass stores the boundaries."""
+    (no stores), _carry_kernel carries them across segments, and a second pass stores the boundaries."""
     B, T, H, D = z.shape
     M, NC = b.shape[1], triton.cdiv(T, C)
     BM, BD = min(_next_pow2(M), 32), min(_next_pow2(D), 64)
@@ -618,41 +662,13 @@ def scan(z, b, pw, decay, C, c=None, x0=None, rev=False):
         run(x0, True)
         return xb, xf[:, :, 0]
     run(None, False)
-    starts, last = _segment_starts(xf, x0, decay, C * seg, T, rev)
+    starts = torch.empty_like(xf)
+    last = z.new_empty(B, H, 2, M, D, dtype=torch.float32)
+    _carry_kernel[(B * H, triton.cdiv(D, BD), triton.cdiv(M, BM))](
+        xf, x0 if x0 is not None else xf, starts, last, decay, T, H, D, M, NS, seg * C, BM=BM, BD=BD,
+        HAS_INIT=x0 is not None, REV=rev, INTERPRET=_interpret(), num_warps=NUM_WARPS["scan"])
     run(starts, True)
     return xb, last
-
-
-def _segment_starts(ends, x0, decay, L, T, rev):
-    """Start states of the scan's segments and its last state, from each segment's end state taken from zero.
-
-    ends: [B, H, NS, 2, M, D] fp32; segment s covers tokens [s L, min((s + 1) L, T)). The state entering a segment
-    (forward: at its first token; rev: after its last) is x0 and every earlier segment's end state, each carried
-    by lam^distance (conj(lam) in reverse); the distances are exact integers and the powers fp64."""
-    NS = ends.shape[2]
-    pos = torch.tensor([min(s * L, T) for s in range(NS + 1)], dtype=torch.float64, device=ends.device)
-    if rev:
-        at = torch.cat((pos[1:], pos[:1]))  # entering segment s at its end; the last state at token 0
-        dist = pos[None, :NS] - at[:, None]  # from segment r's start (r > s)
-        dist0 = T - at
-    else:
-        at = pos  # entering segment s at its start; the last state at T
-        dist = at[:, None] - pos[None, 1:]  # from segment r's end (r < s)
-        dist0 = at
-    alpha, theta = decay.double().unbind(-1)  # [H, M]
-    sign = -1.0 if rev else 1.0
-
-    def lam_pow(n):  # lam^n as complex [H, M, *n.shape], 0 where n < 0
-        shape = (*alpha.shape, *[1] * n.dim())
-        p = torch.polar(torch.exp(n * alpha.view(shape)), sign * n * theta.view(shape))
-        return torch.where(n >= 0, p, 0).to(torch.complex64)
-
-    e = torch.complex(ends[:, :, :, 0], ends[:, :, :, 1])  # [B, H, NS, M, D]
-    out = torch.einsum("hmtr,bhrmd->bhtmd", lam_pow(dist), e)
-    if x0 is not None:
-        out += lam_pow(dist0).permute(0, 2, 1)[None, :, :, :, None] * torch.complex(x0[:, :, 0], x0[:, :, 1])[:, :, None]
-    out = torch.stack((out.real, out.imag), 3)  # [B, H, NS + 1, 2, M, D]
-    return out[:, :, :NS].contiguous(), out[:, :, NS].contiguous()
 
 
 def _sizes(q, v, b):
@@ -692,7 +708,7 @@ def interdomain_bwd(q, k, v, decay, b, u0, g0, do, duf, dgf, chunk_size=64):
     part_a = q.new_empty(B, H, NC, 4, M, dtype=torch.float32)
     sizes = _sizes(q, v, b)
     _bwd_a_kernel[(NC, B * H)](q, k, v, do, ub, gb, b, pw, a, da, part_a, T, NC, H, M, C=C, **sizes,
-                               TSHEAR=BWD_A_TSHEAR, num_warps=NUM_WARPS["bwd_a"])
+                               num_warps=NUM_WARPS["bwd_a"])
     rub, du0 = scan(q, b, pw, decay, C, c=da, x0=duf, rev=True)
     rgb, dg0 = scan(do, b, pw, decay, C, c=a, x0=dgf, rev=True)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
