@@ -146,14 +146,13 @@ def _launches(T, M, C=64):
 
 
 def breakdown(T, M, C=64):
-    """Milliseconds of each chunk.py launch of fwd+bwd at the default settings (the scans hoisted and not), and
+    """Milliseconds of each chunk.py launch of fwd+bwd at the default settings (the scans segmented and not), and
     the totals."""
     launches, scans, totals = _launches(T, M, C)
     out = {name: time_ms(lambda fn=fn, name=name: fn(ch.NUM_WARPS[name])) for name, fn in launches.items()}
-    for hoist in (False, True):
+    for seg in (ch.SCAN_SEGMENT, 0):
         for name, fn in scans.items():
-            out[f"{name} hoist={hoist}"] = _with_attr(ch, "SCAN_HOIST", {"const": hoist, "per_token": hoist},
-                                                      lambda fn=fn: time_ms(fn))
+            out[f"{name} segment={seg}"] = _with_attr(ch, "SCAN_SEGMENT", seg, lambda fn=fn: time_ms(fn))
     out.update({name: time_ms(fn) for name, fn in totals.items()})
     return {k: round(x, 3) for k, x in out.items()}
 
@@ -201,15 +200,6 @@ def _with_attr(obj, name, value, fn):
         return fn()
     finally:
         setattr(obj, name, saved)
-
-
-def _with_warps(warps, fn, table):
-    saved = dict(table)
-    table.update(warps)
-    try:
-        return fn()
-    finally:
-        table.update(saved)
 
 
 def _measure(fwd, fb):
@@ -275,13 +265,8 @@ def decode_step(B, M):
 def jobs_for(Ts, only_ours):
     jobs = [("interdomain C=64", T, 32, lambda T=T: ours(T, 32)) for T in Ts]
     jobs += [("breakdown", T, 32, lambda T=T: breakdown(T, 32)) for T in (2048, 65536)]
-    for nw in (4, 8):
-        warps = {key: nw for key in ch.NUM_WARPS if key != "scan"}
-        jobs.append((f"interdomain C=64 warps={nw}", 8192, 32,
-                     lambda w=warps: _with_warps(w, lambda: ours(8192, 32), ch.NUM_WARPS)))
-    hoisted = lambda T: _with_attr(ch, "SCAN_HOIST", {"const": True, "per_token": True},  # noqa: E731
-                                   lambda: ours(T, 32))
-    jobs += [("interdomain C=64 all scans hoisted", T, 32, lambda T=T: hoisted(T)) for T in (2048, 65536)]
+    unseg = lambda T: _with_attr(ch, "SCAN_SEGMENT", 0, lambda: ours(T, 32))  # noqa: E731
+    jobs += [("interdomain C=64 unsegmented scans", T, 32, lambda T=T: unseg(T)) for T in Ts if T >= 8192]
     jobs += [("interdomain C=64", T, 64, lambda T=T: ours(T, 64)) for T in Ts]
     if not only_ours:
         jobs += [(f"sdpa-{be}", T, "-", lambda T=T, be=be: sdpa(T, be)) for be in ("flash", "cudnn") for T in Ts]

@@ -608,8 +608,9 @@ def _state_partials(part_ptr, zsr, zsi, sur, sui, er, ei, br, bi, pw, L, oc, om,
     tl.store(pp + 3 * M, li, mask=mm)
 
 
-# measured on the H200 (tools/results/interdomain-v2-2026-11-30.md): 4 warps beat 8 (14.6 vs 17.7 ms fwd+bwd at
-# 8K); capping registers at 128 or 168 per thread (more programs per SM) spills and was slower (22.4, 18.1 ms)
+# 4 warps everywhere: 8 warps measured slower for the whole op (17.1 vs 14.3 ms at 8K, interdomain-v2-2026-11-30.md)
+# and for every kernel alone (interdomain-sweep-2026-11-30.md: fwd 1.92 vs 1.13 ms, bwd_a 4.77 vs 2.56, dq / dk / dv
+# 1.14 / 1.91 / 1.91 vs 0.62 / 1.32 / 1.32); capping registers at 128 or 168 per thread spilled more (22.4, 18.1 ms)
 NUM_WARPS = {"scan": 4, "fwd": 4, "bwd_a": 4, "bwd_dq": 4, "bwd_dk": 4, "bwd_dv": 4}
 # scans with the full-chunk decay tables hoisted out of the chunk loop and the next chunk's features (and per-token
 # coefficients) loaded one chunk ahead. Measured on the H200 (ms per scan, M = 32, T = 2K / 64K): per-token reverse
@@ -672,11 +673,13 @@ def scan(z, b, pw, decay, C, c=None, x0=None, rev=False):
 
 
 def _sizes(q, v, b):
-    # Triton 3.6 on sm_90 builds the fwd kernel with mode tiles below 64 into wgmma reads past its shared buffer
-    # (compute-sanitizer: invalid __shared__ read, illegal address at M = 16, 32); 64-mode tiles run correctly
-    BM = _next_pow2(b.shape[1]) if _interpret() else max(64, _next_pow2(b.shape[1]))
-    return dict(K=q.shape[-1], V=v.shape[-1], BM=BM, BK=min(_next_pow2(q.shape[-1]), 64),
-                BV=min(_next_pow2(v.shape[-1]), 64), PREC=_prec(q))
+    # Triton 3.6 on sm_90 builds these kernels with mode tiles below 64 into wgmma reads past their shared buffer
+    # (compute-sanitizer: invalid __shared__ read, illegal address at M = 16, 32 in _fwd_kernel), and likewise
+    # _bwd_part_kernel with 32-wide feature tiles (illegal address, bench --sweep); 64-wide tiles run correctly,
+    # so on the GPU modes and features are tiled by 64 at least (padding masked)
+    lo = 16 if _interpret() else 64
+    return dict(K=q.shape[-1], V=v.shape[-1], BM=_next_pow2(b.shape[1], lo),
+                BK=min(_next_pow2(q.shape[-1], lo), 64), BV=min(_next_pow2(v.shape[-1], lo), 64), PREC=_prec(q))
 
 
 def interdomain_fwd(q, k, v, decay, b, u0=None, g0=None, chunk_size=64):

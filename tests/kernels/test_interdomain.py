@@ -202,6 +202,13 @@ def test_chunk_matches_naive_gpu_bf16(nan_empty, T, M, normalize):
 
 @pytest.mark.gpu
 @requires_gpu
+def test_small_head_dims_gpu_bf16(nan_empty):
+    """K, V below one 64-wide feature tile and M = 16: the GPU pads both tiles (chunk._sizes)."""
+    compare(make_inputs(2, 100, 3, 32, 48, 16, dtype=torch.bfloat16), BF16_TOL, BF16_GRAD_TOL)
+
+
+@pytest.mark.gpu
+@requires_gpu
 def test_strong_decay_gpu_bf16(nan_empty):
     inputs = make_inputs(2, 200, 2, 128, 128, 32, dtype=torch.bfloat16, strong=True)
     compare(inputs, BF16_TOL, BF16_GRAD_TOL)
