@@ -153,6 +153,8 @@ def breakdown(T, M, C=64):
     for seg in (ch.SCAN_SEGMENT, 0):
         for name, fn in scans.items():
             out[f"{name} segment={seg}"] = _with_attr(ch, "SCAN_SEGMENT", seg, lambda fn=fn: time_ms(fn))
+    out["scan segment={} const-b plain".format(ch.SCAN_SEGMENT)] = _with_attr(
+        ch, "SCAN_HOIST", {**ch.SCAN_HOIST, "const": False}, lambda: time_ms(scans["scan"]))
     out.update({name: time_ms(fn) for name, fn in totals.items()})
     return {k: round(x, 3) for k, x in out.items()}
 
@@ -266,7 +268,9 @@ def jobs_for(Ts, only_ours):
     jobs = [("interdomain C=64", T, 32, lambda T=T: ours(T, 32)) for T in Ts]
     jobs += [("breakdown", T, 32, lambda T=T: breakdown(T, 32)) for T in (2048, 65536)]
     unseg = lambda T: _with_attr(ch, "SCAN_SEGMENT", 0, lambda: ours(T, 32))  # noqa: E731
-    jobs += [("interdomain C=64 unsegmented scans", T, 32, lambda T=T: unseg(T)) for T in Ts if T >= 8192]
+    jobs += [("interdomain C=64 unsegmented scans", T, 32, lambda T=T: unseg(T)) for T in Ts if T >= 65536]
+    plain = lambda T: _with_attr(ch, "SCAN_HOIST", {**ch.SCAN_HOIST, "const": False}, lambda: ours(T, 32))  # noqa
+    jobs += [("interdomain C=64 const-b scans plain", T, 32, lambda T=T: plain(T)) for T in Ts]
     jobs += [("interdomain C=64", T, 64, lambda T=T: ours(T, 64)) for T in Ts]
     if not only_ours:
         jobs += [(f"sdpa-{be}", T, "-", lambda T=T, be=be: sdpa(T, be)) for be in ("flash", "cudnn") for T in Ts]

@@ -613,10 +613,10 @@ def _state_partials(part_ptr, zsr, zsi, sur, sui, er, ei, br, bi, pw, L, oc, om,
 # 1.14 / 1.91 / 1.91 vs 0.62 / 1.32 / 1.32); capping registers at 128 or 168 per thread spilled more (22.4, 18.1 ms)
 NUM_WARPS = {"scan": 4, "fwd": 4, "bwd_a": 4, "bwd_dq": 4, "bwd_dk": 4, "bwd_dv": 4}
 # scans with the full-chunk decay tables hoisted out of the chunk loop and the next chunk's features (and per-token
-# coefficients) loaded one chunk ahead. Measured on the H200 (ms per scan, M = 32, T = 2K / 64K): per-token reverse
-# 0.315 / 1.437 plain, 0.260 / 0.931 hoisted; constant-b forward 0.239 / 0.686 plain, 0.194 / 0.838 hoisted. The
-# forward scans stay plain: 64K, the slowest point of the flatness target, is where hoisting them lost.
-SCAN_HOIST = {"const": False, "per_token": True}
+# coefficients) loaded one chunk ahead. Measured on the H200 (ms per scan, M = 32, T = 2K / 64K unsegmented):
+# per-token reverse 0.315 / 1.437 plain, 0.260 / 0.931 hoisted; constant-b forward 0.239 / 0.686 plain, 0.194 /
+# 0.838 hoisted: hoisting lost only on 1024-chunk loops, which segmented scans (below) no longer run.
+SCAN_HOIST = {"const": True, "per_token": True}
 # scans over fewer than SCAN_SEGMENT_BELOW (b, h, state tile) rows run in segments of SCAN_SEGMENT chunks (0: never)
 SCAN_SEGMENT, SCAN_SEGMENT_BELOW = 32, 512
 

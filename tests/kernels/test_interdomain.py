@@ -124,7 +124,7 @@ def test_step_repeated_equals_chunk(normalize):
 
 @pytest.fixture(params=[True, False], ids=["all-hoisted", "none-hoisted"])
 def scan_hoist(monkeypatch, request):
-    """Both scan loops for both scan kinds (the default hoists only the per-token scans)."""
+    """Both scan loops for both scan kinds (the default hoists every scan)."""
     from kernels.interdomain import chunk
 
     monkeypatch.setattr(chunk, "SCAN_HOIST", {"const": request.param, "per_token": request.param})
