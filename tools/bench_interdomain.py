@@ -48,7 +48,7 @@ def cost_model(M, K=D, V=D, C=64):
     return fwd, fwd + bwd, fwd_b, fwd_b + bwd_b
 
 
-def compile_report(Ms=(32, 64), warps=(4, 8)):
+def compile_report(Ms=(32,), warps=(4,)):
     """Offline sm_90 build of every chunk.py kernel at K = V = 128, C = 64, bf16: resource rows (no GPU needed)."""
     import triton
 
@@ -76,9 +76,12 @@ def compile_report(Ms=(32, 64), warps=(4, 8)):
         common = dict(K=D, V=D, C=64, BM=max(64, 1 << (M - 1).bit_length()), BK=64, BV=64, PREC="tf32")
         for nw in warps:
             build(f"fwd M={M}", ch._fwd_kernel, common, nw)
-            build(f"bwd_a M={M}", ch._bwd_a_kernel, common, nw)
+            for reload in (False, True):
+                build(f"bwd_a M={M} reload={reload}", ch._bwd_a_kernel, dict(common, RELOAD=reload), nw)
             for part in (1, 2, 4):
-                build(f"bwd_part {part} M={M}", ch._bwd_part_kernel, dict(common, PART=part), nw)
+                for two in (False, True):
+                    build(f"bwd_part {part} M={M} two-loops={two}", ch._bwd_part_kernel,
+                          dict(common, PART=part, TWO_LOOPS=two), nw)
     for bm, bd in ((32, 64), (16, 32)):
         for per_token in (False, True):
             for hoist in (False, True):
@@ -124,7 +127,7 @@ def _launches(T, M, C=64):
     pw = ch.powers(decay, C)
     ub, _ = ch.scan(k, b, pw, decay, C)
     gb, _ = ch.scan(v, b, pw, decay, C)
-    a, da = (q.new_empty(B, T, H, 2, M) for _ in range(2))
+    a, da, pg = (q.new_empty(B, T, H, 2, M) for _ in range(3))
     part = q.new_empty(B, H, NC, 4, M, dtype=torch.float32)
     rub, _ = ch.scan(q, b, pw, decay, C, c=da, rev=True)
     rgb, _ = ch.scan(do, b, pw, decay, C, c=a, rev=True)
@@ -133,11 +136,12 @@ def _launches(T, M, C=64):
     bwd_args = (q, k, v, do, a, da, ub, gb, rub, rgb, b, pw, dq, dk, dv, part, T, NC, H, M)
     out = {"fwd": lambda nw, **f: ch._fwd_kernel[grid](q, k, v, ub, gb, b, pw, do, T, NC, H, M, C=C,
                                                        **{**sizes, **f}, num_warps=nw),
-           "bwd_a": lambda nw, **f: ch._bwd_a_kernel[grid](q, k, v, do, ub, gb, b, pw, a, da, part, T, NC, H, M,
-                                                           C=C, **{**sizes, **f}, num_warps=nw)}
+           "bwd_a": lambda nw, **f: ch._bwd_a_kernel[grid](q, k, v, do, ub, gb, b, pw, a, da, pg, part, T, NC, H,
+                                                           M, C=C, **{**sizes, "RELOAD": ch.BWD_A_RELOAD, **f},
+                                                           num_warps=nw)}
     for key, pt in (("bwd_dq", 1), ("bwd_dk", 2), ("bwd_dv", 4)):
-        out[key] = lambda nw, pt=pt, **f: ch._bwd_part_kernel[grid](*bwd_args, C=C, **{**sizes, **f}, PART=pt,
-                                                                    num_warps=nw)
+        out[key] = lambda nw, pt=pt, **f: ch._bwd_part_kernel[grid](
+            *bwd_args, C=C, **{**sizes, "TWO_LOOPS": ch.GRAD_REV_TWO_LOOPS, **f}, PART=pt, num_warps=nw)
     totals = {"fwd total": lambda: ch.interdomain_fwd(q, k, v, decay, b, chunk_size=C),
               "bwd total": lambda: ch.interdomain_bwd(q, k, v, decay, b, None, None, do, None, None, C)}
     scans = {"scan": lambda: ch.scan(k, b, pw, decay, C),
@@ -150,47 +154,35 @@ def breakdown(T, M, C=64):
     the totals."""
     launches, scans, totals = _launches(T, M, C)
     out = {name: time_ms(lambda fn=fn, name=name: fn(ch.NUM_WARPS[name])) for name, fn in launches.items()}
+    out[f"bwd_a reload={not ch.BWD_A_RELOAD}"] = time_ms(lambda: launches["bwd_a"](4, RELOAD=not ch.BWD_A_RELOAD))
+    for name in ("bwd_dk", "bwd_dv"):
+        out[f"{name} two-loops={not ch.GRAD_REV_TWO_LOOPS}"] = time_ms(
+            lambda name=name: launches[name](4, TWO_LOOPS=not ch.GRAD_REV_TWO_LOOPS))
     for seg in (ch.SCAN_SEGMENT, 0):
         for name, fn in scans.items():
             out[f"{name} segment={seg}"] = _with_attr(ch, "SCAN_SEGMENT", seg, lambda fn=fn: time_ms(fn))
-    out["scan segment={} const-b plain".format(ch.SCAN_SEGMENT)] = _with_attr(
-        ch, "SCAN_HOIST", {**ch.SCAN_HOIST, "const": False}, lambda: time_ms(scans["scan"]))
     out.update({name: time_ms(fn) for name, fn in totals.items()})
     return {k: round(x, 3) for k, x in out.items()}
 
 
-def sweep(Ts=(2048,), M=32):
-    """Each launch with feature tiles BK = BV of 32 and 64 (4 warps; 8 warps lost for every kernel in the
-    2026-11-30 sweep): milliseconds, and the registers and spilled
-    bytes of the GPU's own build (the offline --compile-report build differs from it); then the scans and the
-    fwd / bwd totals with segmented scans on and off, at three lengths."""
+def sweep(T=2048, M=32):
+    """Each launch in each of its variants (the backward's register plans): milliseconds, and the registers and
+    spilled bytes of the GPU's own build (the offline --compile-report build differs from it)."""
+    variants = {"bwd_a": [{"RELOAD": False}, {"RELOAD": True}], "bwd_dk": [{"TWO_LOOPS": False}, {"TWO_LOOPS": True}],
+                "bwd_dv": [{"TWO_LOOPS": False}, {"TWO_LOOPS": True}]}
     rows = []
-
-    def add(r, fn):
-        try:
-            r.update(ms=round(time_ms(fn), 3))
-        except Exception as e:  # an out-of-resources variant must not lose the other rows
-            r.update(ms=float("nan"), error=f"{type(e).__name__}: {str(e)[:100]}")
-        rows.append(r)
-        print(format_table(rows[-1:]), flush=True)
-
-    for T in Ts:
-        launches, _, _ = _launches(T, M)
-        for name, fn in launches.items():
-            for bd in (32, 64):
-                r = {"T": T, "kernel": f"{name} BK=BV={bd}", "warps": 4}
-                add(r, lambda: fn(4, BK=bd, BV=bd))
-                if "error" not in r:
-                    kern = fn(4, BK=bd, BV=bd)  # Triton returns the compiled kernel it launched
-                    r.update(regs=kern.n_regs, spills=kern.n_spills)
-        torch.cuda.empty_cache()
-    for T in (2048, 8192, 65536):
-        _, scans, totals = _launches(T, M)
-        for seg in (0, ch.SCAN_SEGMENT or 32):
-            for name, fn in {**scans, **totals}.items():
-                add({"T": T, "kernel": f"{name} segment={seg}", "warps": ch.NUM_WARPS["scan"]},
-                    lambda: _with_attr(ch, "SCAN_SEGMENT", seg, fn))
-        torch.cuda.empty_cache()
+    launches, _, _ = _launches(T, M)
+    for name, fn in launches.items():
+        for f in variants.get(name, [{}]):
+            r = {"T": T, "kernel": name + "".join(f" {k}={x}" for k, x in f.items()), "warps": ch.NUM_WARPS[name]}
+            try:
+                r.update(ms=round(time_ms(lambda: fn(r["warps"], **f)), 3))
+                kern = fn(r["warps"], **f)  # Triton returns the compiled kernel it launched
+                r.update(regs=kern.n_regs, spills=kern.n_spills)
+            except Exception as e:  # report the failing variant; a CUDA fault ends the sweep with it
+                r.update(ms=float("nan"), error=f"{type(e).__name__}: {str(e)[:100]}")
+            rows.append(r)
+            print(format_table(rows[-1:]), flush=True)
     print(format_table(rows), flush=True)
     return rows
 
@@ -267,11 +259,10 @@ def decode_step(B, M):
 def jobs_for(Ts, only_ours):
     jobs = [("interdomain C=64", T, 32, lambda T=T: ours(T, 32)) for T in Ts]
     jobs += [("breakdown", T, 32, lambda T=T: breakdown(T, 32)) for T in (2048, 65536)]
-    unseg = lambda T: _with_attr(ch, "SCAN_SEGMENT", 0, lambda: ours(T, 32))  # noqa: E731
-    jobs += [("interdomain C=64 unsegmented scans", T, 32, lambda T=T: unseg(T)) for T in Ts if T >= 65536]
-    plain = lambda T: _with_attr(ch, "SCAN_HOIST", {**ch.SCAN_HOIST, "const": False}, lambda: ours(T, 32))  # noqa
-    jobs += [("interdomain C=64 const-b scans plain", T, 32, lambda T=T: plain(T)) for T in Ts]
-    jobs += [("interdomain C=64", T, 64, lambda T=T: ours(T, 64)) for T in Ts]
+    other = lambda T: _with_attr(ch, "BWD_A_RELOAD", not ch.BWD_A_RELOAD, lambda: _with_attr(  # noqa: E731
+        ch, "GRAD_REV_TWO_LOOPS", not ch.GRAD_REV_TWO_LOOPS, lambda: ours(T, 32)))
+    jobs += [("interdomain C=64 other bwd register plans", T, 32, lambda T=T: other(T)) for T in Ts]
+    jobs += [("interdomain C=64", T, 64, lambda T=T: ours(T, 64)) for T in Ts if T in (2048, 65536)]
     if not only_ours:
         jobs += [(f"sdpa-{be}", T, "-", lambda T=T, be=be: sdpa(T, be)) for be in ("flash", "cudnn") for T in Ts]
         jobs += [("fla-gdn fwd", T, "-", lambda T=T: fla_gdn(T)) for T in Ts]
@@ -301,7 +292,7 @@ def main():
     ap.add_argument("--budget-s", type=float, default=170.0, help="skip the remaining rows after this many seconds")
     ap.add_argument("--only-ours", action="store_true", help="skip the SDPA and fla rows")
     ap.add_argument("--compile-report", action="store_true", help="offline sm_90 resources of chunk.py (no GPU)")
-    ap.add_argument("--sweep", action="store_true", help="each launch at 4 / 8 warps with GPU registers and spills")
+    ap.add_argument("--sweep", action="store_true", help="each launch's variants with GPU registers and spills")
     ap.add_argument("--once", action="store_true", help="one fwd+bwd at T = 2K, M = 32 (profile_interdomain.sh)")
     args = ap.parse_args()
     if args.once:
@@ -313,7 +304,8 @@ def main():
         compile_report()
         return
     if args.sweep:
-        print(save_results("interdomain-sweep", sweep(), {"shape": f"B*T={TOKENS}, H={H}, K=V={D}, M=32, bf16"}))
+        shape = {"shape": f"B*T={TOKENS}, H={H}, K=V={D}, M=32, bf16"}
+        print(save_results("interdomain-sweep-plans", sweep(), shape))
         return
     start = time.time()
     Ts = [2048, 8192] if args.quick else [2048, 4096, 8192, 16384, 65536]
