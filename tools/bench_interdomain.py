@@ -35,9 +35,9 @@ def cost_model(M, K=D, V=D, C=64):
     readout_a = lambda Dx: 2 * C * Dx + 4 * Dx * BM + 4 * C * BM  # noqa: E731
     fwd_k = readout_a(K) + 4 * C * BM + 4 * BM * V + 2 * C * V
     bwd_a = readout_a(K) + readout_a(V) + 8 * C * BM
-    bwd_main = 12 * C * BM + (2 * C * K + 4 * BM * K) + (2 * C * K + 8 * BM * K) + (2 * C * V + 8 * BM * V)
+    bwd_grads = 12 * C * BM + (2 * C * K + 4 * BM * K) + (2 * C * K + 8 * BM * K) + (2 * C * V + 8 * BM * V)
     fwd = scan(K) + scan(V) + fwd_k
-    bwd = 2 * scan(K) + 2 * scan(V) + bwd_a + bwd_main
+    bwd = 2 * scan(K) + 2 * scan(V) + bwd_a + bwd_grads
     st = lambda Dz: 2 * M * Dz * 2 / C  # noqa: E731  one bf16 boundary-state set, per token
     tok, coef = 2, 2 * M * 2  # bytes of one feature of one token; of a per-token a or da
     scan_b = lambda Dz, per_tok: tok * Dz + st(Dz) + (coef if per_tok else 0)  # noqa: E731
@@ -76,12 +76,9 @@ def compile_report(Ms=(32,), warps=(4,)):
         common = dict(K=D, V=D, C=64, BM=max(64, 1 << (M - 1).bit_length()), BK=64, BV=64, PREC="tf32")
         for nw in warps:
             build(f"fwd M={M}", ch._fwd_kernel, common, nw)
-            for reload in (False, True):
-                build(f"bwd_a M={M} reload={reload}", ch._bwd_a_kernel, dict(common, RELOAD=reload), nw)
+            build(f"bwd_a M={M}", ch._bwd_a_kernel, common, nw)
             for part in (1, 2, 4):
-                for two in (False, True):
-                    build(f"bwd_part {part} M={M} two-loops={two}", ch._bwd_part_kernel,
-                          dict(common, PART=part, TWO_LOOPS=two), nw)
+                build(f"bwd_part {part} M={M}", ch._bwd_part_kernel, dict(common, PART=part), nw)
     for bm, bd in ((32, 64), (16, 32)):
         for per_token in (False, True):
             for hoist in (False, True):
@@ -127,7 +124,7 @@ def _launches(T, M, C=64):
     pw = ch.powers(decay, C)
     ub, _ = ch.scan(k, b, pw, decay, C)
     gb, _ = ch.scan(v, b, pw, decay, C)
-    a, da, pg = (q.new_empty(B, T, H, 2, M) for _ in range(3))
+    a, da = (q.new_empty(B, T, H, 2, M) for _ in range(2))
     part = q.new_empty(B, H, NC, 4, M, dtype=torch.float32)
     rub, _ = ch.scan(q, b, pw, decay, C, c=da, rev=True)
     rgb, _ = ch.scan(do, b, pw, decay, C, c=a, rev=True)
@@ -136,12 +133,11 @@ def _launches(T, M, C=64):
     bwd_args = (q, k, v, do, a, da, ub, gb, rub, rgb, b, pw, dq, dk, dv, part, T, NC, H, M)
     out = {"fwd": lambda nw, **f: ch._fwd_kernel[grid](q, k, v, ub, gb, b, pw, do, T, NC, H, M, C=C,
                                                        **{**sizes, **f}, num_warps=nw),
-           "bwd_a": lambda nw, **f: ch._bwd_a_kernel[grid](q, k, v, do, ub, gb, b, pw, a, da, pg, part, T, NC, H,
-                                                           M, C=C, **{**sizes, "RELOAD": ch.BWD_A_RELOAD, **f},
-                                                           num_warps=nw)}
+           "bwd_a": lambda nw, **f: ch._bwd_a_kernel[grid](q, k, v, do, ub, gb, b, pw, a, da, part, T, NC, H, M,
+                                                           C=C, **{**sizes, **f}, num_warps=nw)}
     for key, pt in (("bwd_dq", 1), ("bwd_dk", 2), ("bwd_dv", 4)):
-        out[key] = lambda nw, pt=pt, **f: ch._bwd_part_kernel[grid](
-            *bwd_args, C=C, **{**sizes, "TWO_LOOPS": ch.GRAD_REV_TWO_LOOPS, **f}, PART=pt, num_warps=nw)
+        out[key] = lambda nw, pt=pt, **f: ch._bwd_part_kernel[grid](*bwd_args, C=C, **{**sizes, **f}, PART=pt,
+                                                                    num_warps=nw)
     totals = {"fwd total": lambda: ch.interdomain_fwd(q, k, v, decay, b, chunk_size=C),
               "bwd total": lambda: ch.interdomain_bwd(q, k, v, decay, b, None, None, do, None, None, C)}
     scans = {"scan": lambda: ch.scan(k, b, pw, decay, C),
@@ -154,10 +150,6 @@ def breakdown(T, M, C=64):
     the totals."""
     launches, scans, totals = _launches(T, M, C)
     out = {name: time_ms(lambda fn=fn, name=name: fn(ch.NUM_WARPS[name])) for name, fn in launches.items()}
-    out[f"bwd_a reload={not ch.BWD_A_RELOAD}"] = time_ms(lambda: launches["bwd_a"](4, RELOAD=not ch.BWD_A_RELOAD))
-    for name in ("bwd_dk", "bwd_dv"):
-        out[f"{name} two-loops={not ch.GRAD_REV_TWO_LOOPS}"] = time_ms(
-            lambda name=name: launches[name](4, TWO_LOOPS=not ch.GRAD_REV_TWO_LOOPS))
     for seg in (ch.SCAN_SEGMENT, 0):
         for name, fn in scans.items():
             out[f"{name} segment={seg}"] = _with_attr(ch, "SCAN_SEGMENT", seg, lambda fn=fn: time_ms(fn))
@@ -166,23 +158,15 @@ def breakdown(T, M, C=64):
 
 
 def sweep(T=2048, M=32):
-    """Each launch in each of its variants (the backward's register plans): milliseconds, and the registers and
-    spilled bytes of the GPU's own build (the offline --compile-report build differs from it)."""
-    variants = {"bwd_a": [{"RELOAD": False}, {"RELOAD": True}], "bwd_dk": [{"TWO_LOOPS": False}, {"TWO_LOOPS": True}],
-                "bwd_dv": [{"TWO_LOOPS": False}, {"TWO_LOOPS": True}]}
+    """Each launch once more: milliseconds, and the registers and spilled bytes of the GPU's own build (the offline
+    --compile-report build differs from it)."""
     rows = []
     launches, _, _ = _launches(T, M)
     for name, fn in launches.items():
-        for f in variants.get(name, [{}]):
-            r = {"T": T, "kernel": name + "".join(f" {k}={x}" for k, x in f.items()), "warps": ch.NUM_WARPS[name]}
-            try:
-                r.update(ms=round(time_ms(lambda: fn(r["warps"], **f)), 3))
-                kern = fn(r["warps"], **f)  # Triton returns the compiled kernel it launched
-                r.update(regs=kern.n_regs, spills=kern.n_spills)
-            except Exception as e:  # report the failing variant; a CUDA fault ends the sweep with it
-                r.update(ms=float("nan"), error=f"{type(e).__name__}: {str(e)[:100]}")
-            rows.append(r)
-            print(format_table(rows[-1:]), flush=True)
+        nw = ch.NUM_WARPS[name]
+        r = {"T": T, "kernel": name, "warps": nw, "ms": round(time_ms(lambda: fn(nw)), 3)}
+        kern = fn(nw)  # Triton returns the compiled kernel it launched
+        rows.append(dict(r, regs=kern.n_regs, spills=kern.n_spills))
     print(format_table(rows), flush=True)
     return rows
 
@@ -259,9 +243,8 @@ def decode_step(B, M):
 def jobs_for(Ts, only_ours):
     jobs = [("interdomain C=64", T, 32, lambda T=T: ours(T, 32)) for T in Ts]
     jobs += [("breakdown", T, 32, lambda T=T: breakdown(T, 32)) for T in (2048, 65536)]
-    other = lambda T: _with_attr(ch, "BWD_A_RELOAD", not ch.BWD_A_RELOAD, lambda: _with_attr(  # noqa: E731
-        ch, "GRAD_REV_TWO_LOOPS", not ch.GRAD_REV_TWO_LOOPS, lambda: ours(T, 32)))
-    jobs += [("interdomain C=64 other bwd register plans", T, 32, lambda T=T: other(T)) for T in Ts]
+    unseg = lambda T: _with_attr(ch, "SCAN_SEGMENT", 0, lambda: ours(T, 32))  # noqa: E731
+    jobs += [("interdomain C=64 unsegmented scans", T, 32, lambda T=T: unseg(T)) for T in Ts if T >= 65536]
     jobs += [("interdomain C=64", T, 64, lambda T=T: ours(T, 64)) for T in Ts if T in (2048, 65536)]
     if not only_ours:
         jobs += [(f"sdpa-{be}", T, "-", lambda T=T, be=be: sdpa(T, be)) for be in ("flash", "cudnn") for T in Ts]
@@ -292,7 +275,7 @@ def main():
     ap.add_argument("--budget-s", type=float, default=170.0, help="skip the remaining rows after this many seconds")
     ap.add_argument("--only-ours", action="store_true", help="skip the SDPA and fla rows")
     ap.add_argument("--compile-report", action="store_true", help="offline sm_90 resources of chunk.py (no GPU)")
-    ap.add_argument("--sweep", action="store_true", help="each launch's variants with GPU registers and spills")
+    ap.add_argument("--sweep", action="store_true", help="each launch with the GPU build's registers and spills")
     ap.add_argument("--once", action="store_true", help="one fwd+bwd at T = 2K, M = 32 (profile_interdomain.sh)")
     args = ap.parse_args()
     if args.once:
@@ -305,7 +288,7 @@ def main():
         return
     if args.sweep:
         shape = {"shape": f"B*T={TOKENS}, H={H}, K=V={D}, M=32, bf16"}
-        print(save_results("interdomain-sweep-plans", sweep(), shape))
+        print(save_results("interdomain-sweep", sweep(), shape))
         return
     start = time.time()
     Ts = [2048, 8192] if args.quick else [2048, 4096, 8192, 16384, 65536]

@@ -415,13 +415,9 @@ def _fwd_kernel(q_ptr, k_ptr, v_ptr, ub_ptr, gb_ptr, b_ptr, pw_ptr, o_ptr, T, NC
 
 
 @triton.jit
-def _bwd_a_kernel(q_ptr, k_ptr, v_ptr, do_ptr, ub_ptr, gb_ptr, b_ptr, pw_ptr, a_ptr, da_ptr, pg_ptr, part_ptr, T, NC,
-                  H, M, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
-                  BV: tl.constexpr, PREC: tl.constexpr, RELOAD: tl.constexpr):
-    """a and da per token and the intra-chunk parts of d(log lam) and db. RELOAD: the dO-side readout first, its
-    da and inter-chunk part (pg_ptr, [B, T, H, 2, M] scratch) stored and read back after the q-side readout, so
-    that its four [C, M] tiles are not live through the second readout's loop (the kernel spills at 255
-    registers otherwise)."""
+def _bwd_a_kernel(q_ptr, k_ptr, v_ptr, do_ptr, ub_ptr, gb_ptr, b_ptr, pw_ptr, a_ptr, da_ptr, part_ptr, T, NC, H, M,
+                  K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
+                  BV: tl.constexpr, PREC: tl.constexpr):
     ic, i_bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
     i_b, i_h = i_bh // H, i_bh % H
     DT = q_ptr.dtype.element_ty
@@ -435,37 +431,20 @@ def _bwd_a_kernel(q_ptr, k_ptr, v_ptr, do_ptr, ub_ptr, gb_ptr, b_ptr, pw_ptr, a_
     bi = tl.load(b_ptr + (i_h * M + om) * 2 + 1, mask=mm, other=0.0)[None, :]
     ub = ub_ptr + (i_bh * NC + ic) * 2 * M * K
     gb = gb_ptr + (i_bh * NC + ic) * 2 * M * V
+    ar, ai, par, pai, shq = _readout_a(q_ptr, k_ptr, ub, pw, br, bi, rows, ok, oc, om, mm, M, K, C, BK, BM, PREC)
+    gr, gi, pgr, pgi, shd = _readout_a(do_ptr, v_ptr, gb, pw, br, bi, rows, ok, oc, om, mm, M, V, C, BV, BM, PREC)
     out = rows[:, None] * 2 * M + om[None, :]
     mo = ok[:, None] & mm[None, :]
-    CT = a_ptr.dtype.element_ty
+    tl.store(a_ptr + out, ar.to(a_ptr.dtype.element_ty), mask=mo)
+    tl.store(a_ptr + out + M, ai.to(a_ptr.dtype.element_ty), mask=mo)
+    tl.store(da_ptr + out, gr.to(da_ptr.dtype.element_ty), mask=mo)
+    tl.store(da_ptr + out + M, gi.to(da_ptr.dtype.element_ty), mask=mo)
+    # d(log lam), intra-chunk x inter-chunk: sum_t (j+1) [da conj(a_inter) + a conj(da_inter)]
     wj = (oc + 1).to(tl.float32)[:, None]
-    if RELOAD:
-        gr, gi, pgr, pgi, shd = _readout_a(do_ptr, v_ptr, gb, pw, br, bi, rows, ok, oc, om, mm, M, V, C, BV, BM, PREC)
-        tl.store(da_ptr + out, gr.to(CT), mask=mo)
-        tl.store(da_ptr + out + M, gi.to(CT), mask=mo)
-        tl.store(pg_ptr + out, pgr.to(CT), mask=mo)
-        tl.store(pg_ptr + out + M, pgi.to(CT), mask=mo)
-        ar, ai, par, pai, shq = _readout_a(q_ptr, k_ptr, ub, pw, br, bi, rows, ok, oc, om, mm, M, K, C, BK, BM, PREC)
-        tl.store(a_ptr + out, ar.to(CT), mask=mo)
-        tl.store(a_ptr + out + M, ai.to(CT), mask=mo)
-        tl.debug_barrier()  # the block's own stores, read back by other threads
-        gr, gi, _, _ = _load_coef(da_ptr, rows, ok, oc, om, mm, M)
-        # d(log lam), intra-chunk x inter-chunk: sum_t (j+1) [da conj(a_inter) + a conj(da_inter)], in two halves
-        lr = tl.sum(wj * (gr * par + gi * pai), 0)
-        li = tl.sum(wj * (gi * par - gr * pai), 0)
-        pgr, pgi, _, _ = _load_coef(pg_ptr, rows, ok, oc, om, mm, M)
-        lr += tl.sum(wj * (ar * pgr + ai * pgi), 0)
-        li += tl.sum(wj * (ai * pgr - ar * pgi), 0)
-    else:
-        ar, ai, par, pai, shq = _readout_a(q_ptr, k_ptr, ub, pw, br, bi, rows, ok, oc, om, mm, M, K, C, BK, BM, PREC)
-        gr, gi, pgr, pgi, shd = _readout_a(do_ptr, v_ptr, gb, pw, br, bi, rows, ok, oc, om, mm, M, V, C, BV, BM, PREC)
-        tl.store(a_ptr + out, ar.to(CT), mask=mo)
-        tl.store(a_ptr + out + M, ai.to(CT), mask=mo)
-        tl.store(da_ptr + out, gr.to(CT), mask=mo)
-        tl.store(da_ptr + out + M, gi.to(CT), mask=mo)
-        # d(log lam), intra-chunk x inter-chunk: sum_t (j+1) [da conj(a_inter) + a conj(da_inter)]
-        lr = tl.sum(wj * (gr * par + gi * pai + ar * pgr + ai * pgi), 0)
-        li = tl.sum(wj * (gi * par - gr * pai + ai * pgr - ar * pgi), 0)
+    lr = tl.sum(wj * (gr * par + gi * pai + ar * pgr + ai * pgi), 0)
+    li = tl.sum(wj * (gi * par - gr * pai + ai * pgr - ar * pgi), 0)
+    # (storing the dO side's four [C, M] tiles and reading them back after the q side cut the spills from 292 to
+    # 184 B but saved only 0.03 of 2.47 ms for a [B, T, H, 2, M] scratch buffer: interdomain-sweep-plans-2026-11-30)
     # lag sums c[n, m] = sum_t A[t, t-n] da_t + Ag[t, t-n] a_t (A = Q K^T, Ag = dO V^T): D^T da + Dg^T a with the
     # sheared D, Dg of the readouts. Transposing them (a gather result, not a dot result: the Hopper miscompile of
     # flash-linear-attention issue 640 is tl.trans of a tl.dot) replaced a second, transposed Q K^T and dO V^T
@@ -519,27 +498,15 @@ def _grad_dq(dq_ptr, k_ptr, wd, xr, xi, ub, rows, ok, om, mm, M, D: tl.constexpr
 
 @triton.jit
 def _grad_rev(out_ptr, x_ptr, z_ptr, wt, yr, yi, sb, ub, rows, ok, om, mm, M, D: tl.constexpr, C: tl.constexpr,
-              BD: tl.constexpr, BM: tl.constexpr, PREC: tl.constexpr, TWO_LOOPS: tl.constexpr):
+              BD: tl.constexpr, BM: tl.constexpr, PREC: tl.constexpr):
     """Gradient of the state's token vectors z: W^T x + Re(conj(b lam^(L-1-j)) S) with S the reverse state at the
     chunk end, tiled over the feature dim. Also returns Z S^T [C, BM] and sum_d S conj(U_c) [BM] (re, im) for the
-    parameter gradients. TWO_LOOPS: the state sums in a loop of their own, so that the U tiles are not live next
-    to the products' operands (the one-loop kernel spills at 255 registers)."""
+    parameter gradients."""
     DT = x_ptr.dtype.element_ty
     zsr = tl.zeros([C, BM], dtype=tl.float32)
     zsi = tl.zeros([C, BM], dtype=tl.float32)
     sur = tl.zeros([BM], dtype=tl.float32)
     sui = tl.zeros([BM], dtype=tl.float32)
-    if TWO_LOOPS:
-        for d0 in tl.static_range(0, D, BD):
-            od = d0 + tl.arange(0, BD)
-            ms = mm[:, None] & (od < D)[None, :]
-            st = om[:, None] * D + od[None, :]
-            s_r = tl.load(sb + st, mask=ms, other=0.0).to(tl.float32)
-            s_i = tl.load(sb + M * D + st, mask=ms, other=0.0).to(tl.float32)
-            u_r = tl.load(ub + st, mask=ms, other=0.0).to(tl.float32)
-            u_i = tl.load(ub + M * D + st, mask=ms, other=0.0).to(tl.float32)
-            sur += tl.sum(s_r * u_r + s_i * u_i, 1)
-            sui += tl.sum(s_i * u_r - s_r * u_i, 1)
     for d0 in tl.static_range(0, D, BD):
         od = d0 + tl.arange(0, BD)
         md = od < D
@@ -558,11 +525,10 @@ def _grad_rev(out_ptr, x_ptr, z_ptr, wt, yr, yi, sb, ub, rows, ok, om, mm, M, D:
         mst = md[:, None] & mm[None, :]
         zsr += tl.dot(zt, tl.load(sb + stt, mask=mst, other=0.0).to(DT), input_precision=PREC)
         zsi += tl.dot(zt, tl.load(sb + M * D + stt, mask=mst, other=0.0).to(DT), input_precision=PREC)
-        if not TWO_LOOPS:
-            u_r = tl.load(ub + st, mask=ms, other=0.0).to(tl.float32)
-            u_i = tl.load(ub + M * D + st, mask=ms, other=0.0).to(tl.float32)
-            sur += tl.sum(s_r * u_r + s_i * u_i, 1)
-            sui += tl.sum(s_i * u_r - s_r * u_i, 1)
+        u_r = tl.load(ub + st, mask=ms, other=0.0).to(tl.float32)
+        u_i = tl.load(ub + M * D + st, mask=ms, other=0.0).to(tl.float32)
+        sur += tl.sum(s_r * u_r + s_i * u_i, 1)
+        sui += tl.sum(s_i * u_r - s_r * u_i, 1)
     return zsr, zsi, sur, sui
 
 
@@ -570,11 +536,13 @@ def _grad_rev(out_ptr, x_ptr, z_ptr, wt, yr, yi, sb, ub, rows, ok, om, mm, M, D:
 def _bwd_part_kernel(q_ptr, k_ptr, v_ptr, do_ptr, a_ptr, da_ptr, ub_ptr, gb_ptr, rub_ptr, rgb_ptr, b_ptr, pw_ptr,
                      dq_ptr, dk_ptr, dv_ptr, part_ptr, T, NC, H, M, K: tl.constexpr, V: tl.constexpr,
                      C: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
-                     PART: tl.constexpr, TWO_LOOPS: tl.constexpr):
+                     PART: tl.constexpr):
     """One gradient per launch: dq (PART 1), dk (2) or dv (4); the dk and dv launches each write their (additive)
     share of the state parameter-gradient partials. One kernel for all three held every tile at once and spilled:
     the three launches took 8.3 ms of backward against 10.5 ms (H200, T = 2K, M = 32,
-    tools/results/interdomain-2026-11-30.md)."""
+    tools/results/interdomain-2026-11-30-6fcc793.md). The dk / dv launches spill (138 B); taking the state sums
+    <S, U_c> in a loop of their own spilled more (154 B) and ran slower, 1.41 against 1.33 ms
+    (interdomain-sweep-plans-2026-11-30.md)."""
     ic, i_bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
     i_b, i_h = i_bh // H, i_bh % H
     DT = q_ptr.dtype.element_ty
@@ -610,12 +578,12 @@ def _bwd_part_kernel(q_ptr, k_ptr, v_ptr, do_ptr, a_ptr, da_ptr, ub_ptr, gb_ptr,
             _, _, ctr, cti = _load_coef(da_ptr, rows, ok, oc, om, mm, M)
             wt = _w_matrix_t(pr_, pi_, ctr, cti, oc, DT, PREC).to(DT)
             zsr, zsi, sur, sui = _grad_rev(dk_ptr, q_ptr, k_ptr, wt, yr.to(DT), yi.to(DT), rub_ptr + cs * K, ub,
-                                           rows, ok, om, mm, M, K, C, BK, BM, PREC, TWO_LOOPS)
+                                           rows, ok, om, mm, M, K, C, BK, BM, PREC)
         else:
             _, _, ctr, cti = _load_coef(a_ptr, rows, ok, oc, om, mm, M)
             wt = _w_matrix_t(pr_, pi_, ctr, cti, oc, DT, PREC).to(DT)
             zsr, zsi, sur, sui = _grad_rev(dv_ptr, do_ptr, v_ptr, wt, yr.to(DT), yi.to(DT), rgb_ptr + cs * V, gb,
-                                           rows, ok, om, mm, M, V, C, BV, BM, PREC, TWO_LOOPS)
+                                           rows, ok, om, mm, M, V, C, BV, BM, PREC)
         _state_partials(part_ptr, zsr, zsi, sur, sui, er, ei, br, bi, pw, L, oc, om, mm, i_bh, NC, ic, M)
 
 
@@ -655,11 +623,6 @@ NUM_WARPS = {"scan": 4, "fwd": 4, "bwd_a": 4, "bwd_dq": 4, "bwd_dk": 4, "bwd_dv"
 SCAN_HOIST = {"const": True, "per_token": True}
 # scans over fewer than SCAN_SEGMENT_BELOW (b, h, state tile) rows run in segments of SCAN_SEGMENT chunks (0: never)
 SCAN_SEGMENT, SCAN_SEGMENT_BELOW = 32, 512
-# bwd_a with the dO-side readout stored and read back (see _bwd_a_kernel); on until tools/bench_interdomain.py's
-# breakdown has timed both on an H200 (#3)
-BWD_A_RELOAD = True
-# the dk / dv kernels with the state sums in a loop of their own (see _grad_rev); likewise on until timed (#3)
-GRAD_REV_TWO_LOOPS = True
 
 
 def powers(decay: torch.Tensor, C: int) -> torch.Tensor:
@@ -751,17 +714,15 @@ def interdomain_bwd(q, k, v, decay, b, u0, g0, do, duf, dgf, chunk_size=64):
     da = q.new_empty(B, T, H, 2, M, dtype=cdt)
     part_a = q.new_empty(B, H, NC, 4, M, dtype=torch.float32)
     sizes = _sizes(q, v, b)
-    pg = torch.empty_like(da) if BWD_A_RELOAD else da
-    _bwd_a_kernel[(NC, B * H)](q, k, v, do, ub, gb, b, pw, a, da, pg, part_a, T, NC, H, M, C=C, **sizes,
-                               RELOAD=BWD_A_RELOAD, num_warps=NUM_WARPS["bwd_a"])
+    _bwd_a_kernel[(NC, B * H)](q, k, v, do, ub, gb, b, pw, a, da, part_a, T, NC, H, M, C=C, **sizes,
+                               num_warps=NUM_WARPS["bwd_a"])
     rub, du0 = scan(q, b, pw, decay, C, c=da, x0=duf, rev=True)
     rgb, dg0 = scan(do, b, pw, decay, C, c=a, x0=dgf, rev=True)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     part_m = q.new_empty(2, B, H, NC, 4, M, dtype=torch.float32)  # the dk and dv shares; dq writes none
     for part, slot, key in ((1, 0, "bwd_dq"), (2, 0, "bwd_dk"), (4, 1, "bwd_dv")):
         _bwd_part_kernel[(NC, B * H)](q, k, v, do, a, da, ub, gb, rub, rgb, b, pw, dq, dk, dv, part_m[slot], T, NC,
-                                      H, M, C=C, **sizes, PART=part, TWO_LOOPS=GRAD_REV_TWO_LOOPS,
-                                      num_warps=NUM_WARPS[key])
+                                      H, M, C=C, **sizes, PART=part, num_warps=NUM_WARPS[key])
     sums = (part_a.double() + part_m.double().sum(0)).sum((0, 2))  # [H, 4, M]
     ddecay = torch.stack((sums[:, 2], sums[:, 3]), -1).float()
     dbb = torch.stack((sums[:, 0], sums[:, 1]), -1).float()
