@@ -1,0 +1,110 @@
+"""Which Interdomain kernels run correctly on this GPU with tiles narrower than 64 (issue #3).
+
+Triton 3.6 on the H200 faulted (illegal address, a wgmma operand read past its shared buffer) in `_fwd_kernel` with
+mode tiles of 16 and 32 and in the dq kernel with 32-wide feature tiles, so `chunk._sizes` pads both to 64 on the
+GPU, which doubles every [C, M] tile at M = 32. This probe launches each chunk.py readout kernel alone with a mode
+tile BM and a feature tile BD of 32 or 64, each in its own process (a fault poisons the CUDA context), and compares
+its outputs with the same launch at the default 64-wide tiles (relative RMS). Kernels that pass can take the
+narrower tile. Usage on the device machine: python tools/probe_interdomain_tiles.py [--jobs 8]
+"""
+import argparse
+import json
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+KERNELS = ("fwd", "bwd_a", "bwd_dq", "bwd_dk", "bwd_dv")
+TILES = ((32, 64), (64, 32), (32, 32), (64, 64))
+
+
+def launch_all(kernel, bm, bd):
+    """Run one kernel with the given tiles after preparing its inputs with the default ones; return its outputs."""
+    import torch
+
+    sys.path.insert(0, str(ROOT))
+    from kernels.interdomain import chunk as ch
+
+    B, T, H, D, M, C = 2, 1000, 3, 128, 32, 64
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v, do = (torch.randn(B, T, H, D, device="cuda", generator=g).bfloat16() for _ in range(4))
+    decay = torch.stack((-torch.rand(H, M, device="cuda", generator=g), torch.rand(H, M, device="cuda",
+                                                                                  generator=g)), -1)
+    b = torch.randn(H, M, 2, device="cuda", generator=g) / M**0.5
+    NC = triton_cdiv(T, C)
+    pw = ch.powers(decay, C)
+    ub, _ = ch.scan(k, b, pw, decay, C)
+    gb, _ = ch.scan(v, b, pw, decay, C)
+    a, da = (q.new_zeros(B, T, H, 2, M) for _ in range(2))
+    part = q.new_zeros(B, H, NC, 4, M, dtype=torch.float32)
+    sizes = dict(ch._sizes(q, v, b), BM=bm, BK=bd, BV=bd)
+    grid = (NC, B * H)
+    ch._bwd_a_kernel[grid](q, k, v, do, ub, gb, b, pw, a, da, part, T, NC, H, M, C=C, **ch._sizes(q, v, b))
+    rub, _ = ch.scan(q, b, pw, decay, C, c=da, rev=True)
+    rgb, _ = ch.scan(do, b, pw, decay, C, c=a, rev=True)
+    if kernel == "fwd":
+        o = torch.zeros_like(v)
+        ch._fwd_kernel[grid](q, k, v, ub, gb, b, pw, o, T, NC, H, M, C=C, **sizes)
+        outs = {"o": o}
+    elif kernel == "bwd_a":
+        a2, da2, part2 = torch.zeros_like(a), torch.zeros_like(da), torch.zeros_like(part)
+        ch._bwd_a_kernel[grid](q, k, v, do, ub, gb, b, pw, a2, da2, part2, T, NC, H, M, C=C, **sizes)
+        outs = {"a": a2, "da": da2, "partials": part2}
+    else:
+        grads = [torch.zeros_like(x) for x in (q, k, v)]
+        part2 = torch.zeros_like(part)
+        pt = {"bwd_dq": 1, "bwd_dk": 2, "bwd_dv": 4}[kernel]
+        ch._bwd_part_kernel[grid](q, k, v, do, a, da, ub, gb, rub, rgb, b, pw, *grads, part2, T, NC, H, M, C=C,
+                                  **sizes, PART=pt)
+        outs = {"dq": grads[0], "dk": grads[1], "dv": grads[2], "partials": part2}
+    torch.cuda.synchronize()
+    return outs
+
+
+def triton_cdiv(a, b):
+    return -(-a // b)
+
+
+def one(kernel, bm, bd):
+    """Child process: relative RMS of each output against the 64-wide launch, as one JSON line."""
+    ref, got = launch_all(kernel, 64, 64), launch_all(kernel, bm, bd)
+    err = {}
+    for name, x in got.items():
+        r = ref[name].double()
+        err[name] = float((x.double() - r).norm() / r.norm().clamp_min(1e-30)) if r.norm() > 0 else 0.0
+    print(json.dumps(err))
+
+
+def run(kernel, bm, bd):
+    cmd = [sys.executable, __file__, "--one", kernel, str(bm), str(bd)]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    if p.returncode != 0:
+        last = (p.stderr.strip().splitlines() or ["?"])[-1]
+        return {"kernel": kernel, "BM": bm, "BD": bd, "result": f"FAILED: {last[:120]}"}
+    err = json.loads(p.stdout.strip().splitlines()[-1])
+    worst = max(err.values()) if err else 0.0
+    verdict = "ok" if worst < 1e-2 else "WRONG"
+    return {"kernel": kernel, "BM": bm, "BD": bd, "result": f"{verdict} (max rel RMS {worst:.1e})"}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--one", nargs=3, metavar=("KERNEL", "BM", "BD"))
+    ap.add_argument("--jobs", type=int, default=8)
+    args = ap.parse_args()
+    if args.one:
+        one(args.one[0], int(args.one[1]), int(args.one[2]))
+        return
+    jobs = [(k, bm, bd) for k in KERNELS for bm, bd in TILES]
+    with ThreadPoolExecutor(args.jobs) as ex:
+        rows = list(ex.map(lambda j: run(*j), jobs))
+    sys.path.insert(0, str(ROOT))
+    from tools.benchutil import format_table, save_results
+
+    print(format_table(rows))
+    print(save_results("interdomain-tile-probe", rows, {"shape": "B=2, T=1000, H=3, K=V=128, M=32, bf16"}))
+
+
+if __name__ == "__main__":
+    main()
