@@ -129,15 +129,15 @@ def _launches(T, M, C=64):
     rub, _ = ch.scan(q, b, pw, decay, C, c=da, rev=True)
     rgb, _ = ch.scan(do, b, pw, decay, C, c=a, rev=True)
     dq, dk, dv = (torch.empty_like(q) for _ in range(3))
-    sizes, grid = ch._sizes(q, v, b), (NC, B * H)
+    sz, grid = (lambda name: ch._sizes(q, v, b, name)), (NC, B * H)
     bwd_args = (q, k, v, do, a, da, ub, gb, rub, rgb, b, pw, dq, dk, dv, part, T, NC, H, M)
     out = {"fwd": lambda nw, **f: ch._fwd_kernel[grid](q, k, v, ub, gb, b, pw, do, T, NC, H, M, C=C,
-                                                       **{**sizes, **f}, num_warps=nw),
+                                                       **{**sz("fwd"), **f}, num_warps=nw),
            "bwd_a": lambda nw, **f: ch._bwd_a_kernel[grid](q, k, v, do, ub, gb, b, pw, a, da, part, T, NC, H, M,
-                                                           C=C, **{**sizes, **f}, num_warps=nw)}
+                                                           C=C, **{**sz("bwd_a"), **f}, num_warps=nw)}
     for key, pt in (("bwd_dq", 1), ("bwd_dk", 2), ("bwd_dv", 4)):
-        out[key] = lambda nw, pt=pt, **f: ch._bwd_part_kernel[grid](*bwd_args, C=C, **{**sizes, **f}, PART=pt,
-                                                                    num_warps=nw)
+        out[key] = lambda nw, pt=pt, key=key, **f: ch._bwd_part_kernel[grid](*bwd_args, C=C, **{**sz(key), **f},
+                                                                             PART=pt, num_warps=nw)
     totals = {"fwd total": lambda: ch.interdomain_fwd(q, k, v, decay, b, chunk_size=C),
               "bwd total": lambda: ch.interdomain_bwd(q, k, v, decay, b, None, None, do, None, None, C)}
     scans = {"scan": lambda: ch.scan(k, b, pw, decay, C),

@@ -4,8 +4,9 @@ Triton 3.6 on the H200 faulted (illegal address, a wgmma operand read past its s
 mode tiles of 16 and 32 and in the dq kernel with 32-wide feature tiles, so `chunk._sizes` pads both to 64 on the
 GPU, which doubles every [C, M] tile at M = 32. This probe launches each chunk.py readout kernel alone with a mode
 tile BM and a feature tile BD of 32 or 64, each in its own process (a fault poisons the CUDA context), and compares
-its outputs with the same launch at the default 64-wide tiles (relative RMS). Kernels that pass can take the
-narrower tile. Usage on the device machine: python tools/probe_interdomain_tiles.py [--jobs 8]
+its outputs with the same launch at the default 64-wide tiles (relative RMS); then, one process at a time (the
+builds are cached by then), times the variants that passed. A kernel that passes and runs faster can take the
+narrower tile (`chunk.GPU_MIN_TILE`). Usage on the device machine: python tools/probe_interdomain_tiles.py
 """
 import argparse
 import json
@@ -19,8 +20,9 @@ KERNELS = ("fwd", "bwd_a", "bwd_dq", "bwd_dk", "bwd_dv")
 TILES = ((32, 64), (64, 32), (32, 32), (64, 64))
 
 
-def launch_all(kernel, bm, bd):
-    """Run one kernel with the given tiles after preparing its inputs with the default ones; return its outputs."""
+def launch_all(kernel, bm, bd, timed=False):
+    """Run one kernel with the given tiles after preparing its inputs with the default ones; return its outputs
+    (and with `timed`, its milliseconds)."""
     import torch
 
     sys.path.insert(0, str(ROOT))
@@ -38,27 +40,30 @@ def launch_all(kernel, bm, bd):
     gb, _ = ch.scan(v, b, pw, decay, C)
     a, da = (q.new_zeros(B, T, H, 2, M) for _ in range(2))
     part = q.new_zeros(B, H, NC, 4, M, dtype=torch.float32)
-    sizes = dict(ch._sizes(q, v, b), BM=bm, BK=bd, BV=bd)
+    sizes = dict(ch._sizes(q, v, b, kernel), BM=bm, BK=bd, BV=bd)
     grid = (NC, B * H)
-    ch._bwd_a_kernel[grid](q, k, v, do, ub, gb, b, pw, a, da, part, T, NC, H, M, C=C, **ch._sizes(q, v, b))
+    ch._bwd_a_kernel[grid](q, k, v, do, ub, gb, b, pw, a, da, part, T, NC, H, M, C=C, **ch._sizes(q, v, b, "bwd_a"))
     rub, _ = ch.scan(q, b, pw, decay, C, c=da, rev=True)
     rgb, _ = ch.scan(do, b, pw, decay, C, c=a, rev=True)
     if kernel == "fwd":
-        o = torch.zeros_like(v)
-        ch._fwd_kernel[grid](q, k, v, ub, gb, b, pw, o, T, NC, H, M, C=C, **sizes)
-        outs = {"o": o}
+        outs = {"o": torch.zeros_like(v)}
+        fn = lambda: ch._fwd_kernel[grid](q, k, v, ub, gb, b, pw, outs["o"], T, NC, H, M, C=C, **sizes)  # noqa
     elif kernel == "bwd_a":
-        a2, da2, part2 = torch.zeros_like(a), torch.zeros_like(da), torch.zeros_like(part)
-        ch._bwd_a_kernel[grid](q, k, v, do, ub, gb, b, pw, a2, da2, part2, T, NC, H, M, C=C, **sizes)
-        outs = {"a": a2, "da": da2, "partials": part2}
+        outs = {"a": torch.zeros_like(a), "da": torch.zeros_like(da), "partials": torch.zeros_like(part)}
+        fn = lambda: ch._bwd_a_kernel[grid](q, k, v, do, ub, gb, b, pw, *outs.values(), T, NC, H, M, C=C,  # noqa
+                                            **sizes)
     else:
-        grads = [torch.zeros_like(x) for x in (q, k, v)]
-        part2 = torch.zeros_like(part)
+        outs = {"dq": torch.zeros_like(q), "dk": torch.zeros_like(k), "dv": torch.zeros_like(v),
+                "partials": torch.zeros_like(part)}
         pt = {"bwd_dq": 1, "bwd_dk": 2, "bwd_dv": 4}[kernel]
-        ch._bwd_part_kernel[grid](q, k, v, do, a, da, ub, gb, rub, rgb, b, pw, *grads, part2, T, NC, H, M, C=C,
-                                  **sizes, PART=pt)
-        outs = {"dq": grads[0], "dk": grads[1], "dv": grads[2], "partials": part2}
+        fn = lambda: ch._bwd_part_kernel[grid](q, k, v, do, a, da, ub, gb, rub, rgb, b, pw, *outs.values(), T,  # noqa
+                                               NC, H, M, C=C, **sizes, PART=pt)
+    fn()
     torch.cuda.synchronize()
+    if timed:
+        from tools.benchutil import time_ms
+
+        return outs, time_ms(fn)
     return outs
 
 
@@ -66,39 +71,44 @@ def triton_cdiv(a, b):
     return -(-a // b)
 
 
-def one(kernel, bm, bd):
-    """Child process: relative RMS of each output against the 64-wide launch, as one JSON line."""
-    ref, got = launch_all(kernel, 64, 64), launch_all(kernel, bm, bd)
+def one(kernel, bm, bd, timed):
+    """Child process: relative RMS of each output against the 64-wide launch (and milliseconds), as JSON."""
+    ref = launch_all(kernel, 64, 64)
+    got, ms = launch_all(kernel, bm, bd, timed=True) if timed else (launch_all(kernel, bm, bd), float("nan"))
     err = {}
     for name, x in got.items():
         r = ref[name].double()
         err[name] = float((x.double() - r).norm() / r.norm().clamp_min(1e-30)) if r.norm() > 0 else 0.0
-    print(json.dumps(err))
+    print(json.dumps({"err": err, "ms": ms}))
 
 
-def run(kernel, bm, bd):
-    cmd = [sys.executable, __file__, "--one", kernel, str(bm), str(bd)]
+def run(kernel, bm, bd, timed=False):
+    cmd = [sys.executable, __file__, "--one", kernel, str(bm), str(bd)] + (["--time"] if timed else [])
+    row = {"kernel": kernel, "BM": bm, "BD": bd}
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     if p.returncode != 0:
         last = (p.stderr.strip().splitlines() or ["?"])[-1]
-        return {"kernel": kernel, "BM": bm, "BD": bd, "result": f"FAILED: {last[:120]}"}
-    err = json.loads(p.stdout.strip().splitlines()[-1])
-    worst = max(err.values()) if err else 0.0
-    verdict = "ok" if worst < 1e-2 else "WRONG"
-    return {"kernel": kernel, "BM": bm, "BD": bd, "result": f"{verdict} (max rel RMS {worst:.1e})"}
+        return dict(row, result=f"FAILED: {last[:120]}", ms=float("nan"))
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    worst = max(out["err"].values()) if out["err"] else 0.0
+    return dict(row, result=f"{'ok' if worst < 1e-2 else 'WRONG'} (max rel RMS {worst:.1e})", ms=out["ms"])
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--one", nargs=3, metavar=("KERNEL", "BM", "BD"))
-    ap.add_argument("--jobs", type=int, default=8)
+    ap.add_argument("--time", action="store_true", help="(with --one) also time the launch")
+    ap.add_argument("--jobs", type=int, default=8, help="processes of the correctness pass")
     args = ap.parse_args()
     if args.one:
-        one(args.one[0], int(args.one[1]), int(args.one[2]))
+        one(args.one[0], int(args.one[1]), int(args.one[2]), args.time)
         return
     jobs = [(k, bm, bd) for k in KERNELS for bm, bd in TILES]
     with ThreadPoolExecutor(args.jobs) as ex:
         rows = list(ex.map(lambda j: run(*j), jobs))
+    for i, r in enumerate(rows):  # timed one at a time: parallel processes would share the GPU
+        if r["result"].startswith("ok"):
+            rows[i] = run(r["kernel"], r["BM"], r["BD"], timed=True)
     sys.path.insert(0, str(ROOT))
     from tools.benchutil import format_table, save_results
 

@@ -621,6 +621,11 @@ NUM_WARPS = {"scan": 4, "fwd": 4, "bwd_a": 4, "bwd_dq": 4, "bwd_dk": 4, "bwd_dv"
 # per-token reverse 0.315 / 1.437 plain, 0.260 / 0.931 hoisted; constant-b forward 0.239 / 0.686 plain, 0.194 /
 # 0.838 hoisted: hoisting lost only on 1024-chunk loops, which segmented scans (below) no longer run.
 SCAN_HOIST = {"const": True, "per_token": True}
+# Smallest (mode, feature) tiles per readout kernel on the GPU. Triton 3.6 on sm_90 builds _fwd_kernel with mode
+# tiles below 64 into wgmma reads past their shared buffer (compute-sanitizer: invalid __shared__ read, illegal
+# address at M = 16, 32), and the dq kernel likewise with 32-wide feature tiles (bench --sweep); 64-wide tiles run
+# correctly, so all are padded (masked) to 64 until tools/probe_interdomain_tiles.py shows a kernel safe without.
+GPU_MIN_TILE = {"fwd": (64, 64), "bwd_a": (64, 64), "bwd_dq": (64, 64), "bwd_dk": (64, 64), "bwd_dv": (64, 64)}
 # scans over fewer than SCAN_SEGMENT_BELOW (b, h, state tile) rows run in segments of SCAN_SEGMENT chunks (0: never)
 SCAN_SEGMENT, SCAN_SEGMENT_BELOW = 32, 512
 
@@ -676,14 +681,11 @@ def scan(z, b, pw, decay, C, c=None, x0=None, rev=False):
     return xb, last
 
 
-def _sizes(q, v, b):
-    # Triton 3.6 on sm_90 builds these kernels with mode tiles below 64 into wgmma reads past their shared buffer
-    # (compute-sanitizer: invalid __shared__ read, illegal address at M = 16, 32 in _fwd_kernel), and likewise
-    # _bwd_part_kernel with 32-wide feature tiles (illegal address, bench --sweep); 64-wide tiles run correctly,
-    # so on the GPU modes and features are tiled by 64 at least (padding masked)
-    lo = 16 if _interpret() else 64
-    return dict(K=q.shape[-1], V=v.shape[-1], BM=_next_pow2(b.shape[1], lo),
-                BK=min(_next_pow2(q.shape[-1], lo), 64), BV=min(_next_pow2(v.shape[-1], lo), 64), PREC=_prec(q))
+def _sizes(q, v, b, kernel):
+    """Mode and feature tiles of one readout kernel (a key of GPU_MIN_TILE) for these shapes."""
+    lo_m, lo_d = (16, 16) if _interpret() else GPU_MIN_TILE[kernel]
+    return dict(K=q.shape[-1], V=v.shape[-1], BM=_next_pow2(b.shape[1], lo_m),
+                BK=min(_next_pow2(q.shape[-1], lo_d), 64), BV=min(_next_pow2(v.shape[-1], lo_d), 64), PREC=_prec(q))
 
 
 def interdomain_fwd(q, k, v, decay, b, u0=None, g0=None, chunk_size=64):
@@ -696,7 +698,7 @@ def interdomain_fwd(q, k, v, decay, b, u0=None, g0=None, chunk_size=64):
     ub, uf = scan(k, b, pw, decay, C, x0=u0)
     gb, gf = scan(v, b, pw, decay, C, x0=g0)
     o = torch.empty_like(v)
-    _fwd_kernel[(NC, B * H)](q, k, v, ub, gb, b, pw, o, T, NC, H, M, C=C, **_sizes(q, v, b),
+    _fwd_kernel[(NC, B * H)](q, k, v, ub, gb, b, pw, o, T, NC, H, M, C=C, **_sizes(q, v, b, "fwd"),
                              num_warps=NUM_WARPS["fwd"])
     return o, uf, gf
 
@@ -713,16 +715,15 @@ def interdomain_bwd(q, k, v, decay, b, u0, g0, do, duf, dgf, chunk_size=64):
     a = q.new_empty(B, T, H, 2, M, dtype=cdt)
     da = q.new_empty(B, T, H, 2, M, dtype=cdt)
     part_a = q.new_empty(B, H, NC, 4, M, dtype=torch.float32)
-    sizes = _sizes(q, v, b)
-    _bwd_a_kernel[(NC, B * H)](q, k, v, do, ub, gb, b, pw, a, da, part_a, T, NC, H, M, C=C, **sizes,
-                               num_warps=NUM_WARPS["bwd_a"])
+    _bwd_a_kernel[(NC, B * H)](q, k, v, do, ub, gb, b, pw, a, da, part_a, T, NC, H, M, C=C,
+                               **_sizes(q, v, b, "bwd_a"), num_warps=NUM_WARPS["bwd_a"])
     rub, du0 = scan(q, b, pw, decay, C, c=da, x0=duf, rev=True)
     rgb, dg0 = scan(do, b, pw, decay, C, c=a, x0=dgf, rev=True)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     part_m = q.new_empty(2, B, H, NC, 4, M, dtype=torch.float32)  # the dk and dv shares; dq writes none
     for part, slot, key in ((1, 0, "bwd_dq"), (2, 0, "bwd_dk"), (4, 1, "bwd_dv")):
         _bwd_part_kernel[(NC, B * H)](q, k, v, do, a, da, ub, gb, rub, rgb, b, pw, dq, dk, dv, part_m[slot], T, NC,
-                                      H, M, C=C, **sizes, PART=part, num_warps=NUM_WARPS[key])
+                                      H, M, C=C, **_sizes(q, v, b, key), PART=part, num_warps=NUM_WARPS[key])
     sums = (part_a.double() + part_m.double().sum(0)).sum((0, 2))  # [H, 4, M]
     ddecay = torch.stack((sums[:, 2], sums[:, 3]), -1).float()
     dbb = torch.stack((sums[:, 0], sums[:, 1]), -1).float()
