@@ -76,7 +76,9 @@ def compile_report(Ms=(32,), warps=(4,)):
         common = dict(K=D, V=D, C=64, BM=max(64, 1 << (M - 1).bit_length()), BK=64, BV=64, PREC="tf32")
         for nw in warps:
             build(f"fwd M={M}", ch._fwd_kernel, common, nw)
-            build(f"bwd_a M={M}", ch._bwd_a_kernel, common, nw)
+            build(f"bwd_a M={M}", ch._bwd_a_kernel, dict(common, STACK=False), nw)
+            build(f"bwd_a M={M} stacked", ch._bwd_a_kernel, dict(common, STACK=True, BM=max(32, common["BM"] // 2)),
+                  nw)
             for part in (1, 2, 4):
                 build(f"bwd_part {part} M={M}", ch._bwd_part_kernel, dict(common, PART=part), nw)
     for bm, bd in ((32, 64), (16, 32)):
@@ -134,7 +136,10 @@ def _launches(T, M, C=64):
     out = {"fwd": lambda nw, **f: ch._fwd_kernel[grid](q, k, v, ub, gb, b, pw, do, T, NC, H, M, C=C,
                                                        **{**sz("fwd"), **f}, num_warps=nw),
            "bwd_a": lambda nw, **f: ch._bwd_a_kernel[grid](q, k, v, do, ub, gb, b, pw, a, da, part, T, NC, H, M,
-                                                           C=C, **{**sz("bwd_a"), **f}, num_warps=nw)}
+                                                           C=C, **{**sz("bwd_a"), **f}, num_warps=nw),
+           "bwd_a stacked": lambda nw, **f: ch._bwd_a_kernel[grid](q, k, v, do, ub, gb, b, pw, a, da, part, T, NC, H,
+                                                                   M, C=C, **{**sz("bwd_a stacked"), **f},
+                                                                   STACK=True, num_warps=nw)}
     for key, pt in (("bwd_dq", 1), ("bwd_dk", 2), ("bwd_dv", 4)):
         out[key] = lambda nw, pt=pt, key=key, **f: ch._bwd_part_kernel[grid](*bwd_args, C=C, **{**sz(key), **f},
                                                                              PART=pt, num_warps=nw)
@@ -149,7 +154,7 @@ def breakdown(T, M, C=64):
     """Milliseconds of each chunk.py launch of fwd+bwd at the default settings (the scans segmented and not), and
     the totals."""
     launches, scans, totals = _launches(T, M, C)
-    out = {name: time_ms(lambda fn=fn, name=name: fn(ch.NUM_WARPS[name])) for name, fn in launches.items()}
+    out = {name: time_ms(lambda fn=fn, name=name: fn(ch.NUM_WARPS[name.split()[0]])) for name, fn in launches.items()}
     for seg in (ch.SCAN_SEGMENT, 0):
         for name, fn in scans.items():
             out[f"{name} segment={seg}"] = _with_attr(ch, "SCAN_SEGMENT", seg, lambda fn=fn: time_ms(fn))
@@ -163,7 +168,7 @@ def sweep(T=2048, M=32):
     rows = []
     launches, _, _ = _launches(T, M)
     for name, fn in launches.items():
-        nw = ch.NUM_WARPS[name]
+        nw = ch.NUM_WARPS[name.split()[0]]
         r = {"T": T, "kernel": name, "warps": nw, "ms": round(time_ms(lambda: fn(nw)), 3)}
         kern = fn(nw)  # Triton returns the compiled kernel it launched
         rows.append(dict(r, regs=kern.n_regs, spills=kern.n_spills))

@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-KERNELS = ("fwd", "bwd_a", "bwd_dq", "bwd_dk", "bwd_dv")
+KERNELS = ("fwd", "bwd_a", "bwd_a stacked", "bwd_dq", "bwd_dk", "bwd_dv")
 TILES = ((32, 64), (64, 32), (32, 32), (64, 64))
 
 
@@ -48,10 +48,10 @@ def launch_all(kernel, bm, bd, timed=False):
     if kernel == "fwd":
         outs = {"o": torch.zeros_like(v)}
         fn = lambda: ch._fwd_kernel[grid](q, k, v, ub, gb, b, pw, outs["o"], T, NC, H, M, C=C, **sizes)  # noqa
-    elif kernel == "bwd_a":
+    elif kernel.startswith("bwd_a"):
         outs = {"a": torch.zeros_like(a), "da": torch.zeros_like(da), "partials": torch.zeros_like(part)}
         fn = lambda: ch._bwd_a_kernel[grid](q, k, v, do, ub, gb, b, pw, *outs.values(), T, NC, H, M, C=C,  # noqa
-                                            **sizes)
+                                            **sizes, STACK=kernel == "bwd_a stacked")
     else:
         outs = {"dq": torch.zeros_like(q), "dk": torch.zeros_like(k), "dv": torch.zeros_like(v),
                 "partials": torch.zeros_like(part)}

@@ -325,15 +325,21 @@ def _carry_step(j, xr, xi, end_ptr, start_ptr, fr, fi, lr, li, i_bh, NS, st, mmd
 
 @triton.jit
 def _readout_a(x_ptr, z_ptr, sb, pw, br, bi, rows, ok, oc, om, mm, M, D: tl.constexpr, C: tl.constexpr,
-               BD: tl.constexpr, BM: tl.constexpr, PREC: tl.constexpr):
+               BD: tl.constexpr, BM: tl.constexpr, PREC: tl.constexpr, STACK: tl.constexpr = False):
     """a_t = sum_{s<=t in chunk} b lam^(t-s) (x_t . z_s) + lam^(j+1) (x_t . S[m]) with S the chunk-start state.
 
     Returns (a re, a im, inter re, inter im) as [C, BM] fp32 and the sheared X Z^T, D[t, n] = x_t . z_(t-n), as
-    [C, C] in x's dtype."""
+    [C, C] in x's dtype. STACK: the products against S and the power table take real and imaginary parts as one
+    [., 2 BM] operand (columns interleaved: mode, then part), so that no product is BM = 32 wide."""
     DT = x_ptr.dtype.element_ty
     att = tl.zeros([C, C], dtype=tl.float32)
-    pr = tl.zeros([C, BM], dtype=tl.float32)
-    pi = tl.zeros([C, BM], dtype=tl.float32)
+    if STACK:
+        p2 = tl.zeros([C, 2 * BM], dtype=tl.float32)
+        o2 = tl.arange(0, 2 * BM)
+        m2, part = o2 // 2, o2 % 2
+    else:
+        pr = tl.zeros([C, BM], dtype=tl.float32)
+        pi = tl.zeros([C, BM], dtype=tl.float32)
     for d0 in tl.static_range(0, D, BD):
         od = d0 + tl.arange(0, BD)
         md = od < D
@@ -342,19 +348,41 @@ def _readout_a(x_ptr, z_ptr, sb, pw, br, bi, rows, ok, oc, om, mm, M, D: tl.cons
         xt = tl.load(x_ptr + rows[:, None] * D + od[None, :], mask=mrow, other=0.0).to(DT)
         zc = tl.load(z_ptr + rows[None, :] * D + od[:, None], mask=mcol, other=0.0).to(DT)
         att += tl.dot(xt, zc, input_precision=PREC)
-        ps = sb + om[None, :] * D + od[:, None]
-        ms = md[:, None] & mm[None, :]
-        pr += tl.dot(xt, tl.load(ps, mask=ms, other=0.0).to(DT), input_precision=PREC)
-        pi += tl.dot(xt, tl.load(ps + M * D, mask=ms, other=0.0).to(DT), input_precision=PREC)
+        if STACK:
+            ps2 = sb + (part * M + m2)[None, :] * D + od[:, None]
+            p2 += tl.dot(xt, tl.load(ps2, mask=md[:, None] & (m2 < M)[None, :], other=0.0).to(DT),
+                         input_precision=PREC)
+        else:
+            ps = sb + om[None, :] * D + od[:, None]
+            ms = md[:, None] & mm[None, :]
+            pr += tl.dot(xt, tl.load(ps, mask=ms, other=0.0).to(DT), input_precision=PREC)
+            pi += tl.dot(xt, tl.load(ps + M * D, mask=ms, other=0.0).to(DT), input_precision=PREC)
     low, gidx = _lower(oc)
     sheared = tl.where(low, tl.gather(att, gidx, 1), 0.0).to(DT)  # [t, n] = x_t . z_{t-n}
-    lr, li = _pow(pw, oc[:, None], om[None, :], mm[None, :], M)
-    hr = tl.dot(sheared, lr.to(DT), input_precision=PREC)
-    hi = tl.dot(sheared, li.to(DT), input_precision=PREC)
+    if STACK:
+        l2 = tl.load(pw + oc[:, None] * 2 * M + (part * M + m2)[None, :], mask=(m2 < M)[None, :], other=0.0)
+        hr, hi = _split2(tl.dot(sheared, l2.to(DT), input_precision=PREC), C, BM)
+        pr, pi = _split2(p2, C, BM)
+    else:
+        lr, li = _pow(pw, oc[:, None], om[None, :], mm[None, :], M)
+        hr = tl.dot(sheared, lr.to(DT), input_precision=PREC)
+        hi = tl.dot(sheared, li.to(DT), input_precision=PREC)
     sr, si = _pow(pw, oc[:, None] + 1, om[None, :], mm[None, :], M)
     pr, pi = _cmul(sr, si, pr, pi)
     ar, ai = _cmul(br, bi, hr, hi)
     return ar + pr, ai + pi, pr, pi, sheared
+
+
+@triton.jit
+def _split2(x, C: tl.constexpr, BM: tl.constexpr):
+    """[C, 2 BM] with interleaved (mode, part) columns -> real and imaginary [C, BM]."""
+    return tl.split(tl.reshape(x, [C, BM, 2]))
+
+
+@triton.jit
+def _join2(xr, xi, C: tl.constexpr, BM: tl.constexpr):
+    """Real and imaginary [C, BM] -> [C, 2 BM] with interleaved (mode, part) columns."""
+    return tl.reshape(tl.join(xr, xi), [C, 2 * BM])
 
 
 @triton.jit
@@ -417,7 +445,7 @@ def _fwd_kernel(q_ptr, k_ptr, v_ptr, ub_ptr, gb_ptr, b_ptr, pw_ptr, o_ptr, T, NC
 @triton.jit
 def _bwd_a_kernel(q_ptr, k_ptr, v_ptr, do_ptr, ub_ptr, gb_ptr, b_ptr, pw_ptr, a_ptr, da_ptr, part_ptr, T, NC, H, M,
                   K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
-                  BV: tl.constexpr, PREC: tl.constexpr):
+                  BV: tl.constexpr, PREC: tl.constexpr, STACK: tl.constexpr = False):
     ic, i_bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
     i_b, i_h = i_bh // H, i_bh % H
     DT = q_ptr.dtype.element_ty
@@ -431,8 +459,10 @@ def _bwd_a_kernel(q_ptr, k_ptr, v_ptr, do_ptr, ub_ptr, gb_ptr, b_ptr, pw_ptr, a_
     bi = tl.load(b_ptr + (i_h * M + om) * 2 + 1, mask=mm, other=0.0)[None, :]
     ub = ub_ptr + (i_bh * NC + ic) * 2 * M * K
     gb = gb_ptr + (i_bh * NC + ic) * 2 * M * V
-    ar, ai, par, pai, shq = _readout_a(q_ptr, k_ptr, ub, pw, br, bi, rows, ok, oc, om, mm, M, K, C, BK, BM, PREC)
-    gr, gi, pgr, pgi, shd = _readout_a(do_ptr, v_ptr, gb, pw, br, bi, rows, ok, oc, om, mm, M, V, C, BV, BM, PREC)
+    ar, ai, par, pai, shq = _readout_a(q_ptr, k_ptr, ub, pw, br, bi, rows, ok, oc, om, mm, M, K, C, BK, BM, PREC,
+                                       STACK)
+    gr, gi, pgr, pgi, shd = _readout_a(do_ptr, v_ptr, gb, pw, br, bi, rows, ok, oc, om, mm, M, V, C, BV, BM, PREC,
+                                       STACK)
     out = rows[:, None] * 2 * M + om[None, :]
     mo = ok[:, None] & mm[None, :]
     tl.store(a_ptr + out, ar.to(a_ptr.dtype.element_ty), mask=mo)
@@ -451,8 +481,13 @@ def _bwd_a_kernel(q_ptr, k_ptr, v_ptr, do_ptr, ub_ptr, gb_ptr, b_ptr, pw_ptr, a_
     # product: bwd_a 2.56 against 3.66 ms on the H200 (interdomain-sweep-2026-11-30.md), spills 310 against 488 B
     sh = tl.trans(shq)
     shg = tl.trans(shd)
-    cr = tl.dot(sh, gr.to(DT), input_precision=PREC) + tl.dot(shg, ar.to(DT), input_precision=PREC)
-    ci = tl.dot(sh, gi.to(DT), input_precision=PREC) + tl.dot(shg, ai.to(DT), input_precision=PREC)
+    if STACK:
+        c2 = tl.dot(sh, _join2(gr, gi, C, BM).to(DT), input_precision=PREC)
+        c2 += tl.dot(shg, _join2(ar, ai, C, BM).to(DT), input_precision=PREC)
+        cr, ci = _split2(c2, C, BM)
+    else:
+        cr = tl.dot(sh, gr.to(DT), input_precision=PREC) + tl.dot(shg, ar.to(DT), input_precision=PREC)
+        ci = tl.dot(sh, gi.to(DT), input_precision=PREC) + tl.dot(shg, ai.to(DT), input_precision=PREC)
     nr, ni = _pow(pw, oc[:, None], om[None, :], mm[None, :], M)
     dbr = tl.sum(nr * cr + ni * ci, 0)
     dbi = tl.sum(nr * ci - ni * cr, 0)
@@ -625,7 +660,12 @@ SCAN_HOIST = {"const": True, "per_token": True}
 # tiles below 64 into wgmma reads past their shared buffer (compute-sanitizer: invalid __shared__ read, illegal
 # address at M = 16, 32), and the dq kernel likewise with 32-wide feature tiles (bench --sweep); 64-wide tiles run
 # correctly, so all are padded (masked) to 64 until tools/probe_interdomain_tiles.py shows a kernel safe without.
-GPU_MIN_TILE = {"fwd": (64, 64), "bwd_a": (64, 64), "bwd_dq": (64, 64), "bwd_dk": (64, 64), "bwd_dv": (64, 64)}
+GPU_MIN_TILE = {"fwd": (64, 64), "bwd_a": (64, 64), "bwd_dq": (64, 64), "bwd_dk": (64, 64), "bwd_dv": (64, 64),
+                "bwd_a stacked": (32, 64)}
+# bwd_a with its mode-wide products stacked to 2 BM columns (see _readout_a), so that it can take 32-mode tiles at
+# M = 32 (half the registers of the padded [C, M] tiles); correct in the interpreter, off until the GPU tests and
+# tools/probe_interdomain_tiles.py have run it on an H200 (#3)
+BWD_A_STACK = False
 # scans over fewer than SCAN_SEGMENT_BELOW (b, h, state tile) rows run in segments of SCAN_SEGMENT chunks (0: never)
 SCAN_SEGMENT, SCAN_SEGMENT_BELOW = 32, 512
 
@@ -715,8 +755,9 @@ def interdomain_bwd(q, k, v, decay, b, u0, g0, do, duf, dgf, chunk_size=64):
     a = q.new_empty(B, T, H, 2, M, dtype=cdt)
     da = q.new_empty(B, T, H, 2, M, dtype=cdt)
     part_a = q.new_empty(B, H, NC, 4, M, dtype=torch.float32)
-    _bwd_a_kernel[(NC, B * H)](q, k, v, do, ub, gb, b, pw, a, da, part_a, T, NC, H, M, C=C,
-                               **_sizes(q, v, b, "bwd_a"), num_warps=NUM_WARPS["bwd_a"])
+    _bwd_a_kernel[(NC, B * H)](q, k, v, do, ub, gb, b, pw, a, da, part_a, T, NC, H, M, C=C, STACK=BWD_A_STACK,
+                               **_sizes(q, v, b, "bwd_a stacked" if BWD_A_STACK else "bwd_a"),
+                               num_warps=NUM_WARPS["bwd_a"])
     rub, du0 = scan(q, b, pw, decay, C, c=da, x0=duf, rev=True)
     rgb, dg0 = scan(do, b, pw, decay, C, c=a, x0=dgf, rev=True)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)

@@ -160,6 +160,20 @@ def test_segmented_scans_match_naive(nan_empty, segmented, T, C, init, normalize
     compare(inputs, FP32_TOL, chunk_size=C, normalize=normalize)
 
 
+@pytest.fixture
+def bwd_a_stacked(monkeypatch):
+    from kernels.interdomain import chunk
+
+    monkeypatch.setattr(chunk, "BWD_A_STACK", True)
+
+
+@pytest.mark.parametrize("T,M,normalize", [(100, 8, True), (300, 32, False), (64, 24, False)])
+def test_stacked_bwd_a_matches_naive(nan_empty, bwd_a_stacked, T, M, normalize):
+    """bwd_a with real and imaginary parts stacked into one operand (chunk.BWD_A_STACK): every gradient, also with
+    padded modes (M = 24 in a 32-mode tile)."""
+    compare(make_inputs(1, T, 2, 16, 24, M, normalize=normalize), FP32_TOL, normalize=normalize)
+
+
 def _bad(**over):
     q, k, v, decay, b, u0, g0 = make_inputs(1, 8, 2, 16, 16, 4, device="cpu")
     args = dict(q=q, k=k, v=v, decay=decay, b=b, initial_state=(u0, g0), chunk_size=64)
@@ -218,6 +232,13 @@ def test_strong_decay_gpu_bf16(nan_empty):
 @requires_gpu
 @pytest.mark.parametrize("T,M", [(300, 32), (1000, 64)])
 def test_hoisted_scan_gpu_bf16(nan_empty, scan_hoist, T, M):
+    compare(make_inputs(2, T, 3, 128, 128, M, dtype=torch.bfloat16), BF16_TOL, BF16_GRAD_TOL)
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("T,M", [(300, 32), (1000, 64)])
+def test_stacked_bwd_a_gpu_bf16(nan_empty, bwd_a_stacked, T, M):
     compare(make_inputs(2, T, 3, 128, 128, M, dtype=torch.bfloat16), BF16_TOL, BF16_GRAD_TOL)
 
 
