@@ -80,7 +80,9 @@ def compile_report(Ms=(32,), warps=(4,)):
             build(f"bwd_a M={M} stacked", ch._bwd_a_kernel, dict(common, STACK=True, BM=max(32, common["BM"] // 2)),
                   nw)
             for part in (1, 2, 4):
-                build(f"bwd_part {part} M={M}", ch._bwd_part_kernel, dict(common, PART=part), nw)
+                build(f"bwd_part {part} M={M}", ch._bwd_part_kernel, dict(common, PART=part, STACK=False), nw)
+                build(f"bwd_part {part} M={M} stacked", ch._bwd_part_kernel,
+                      dict(common, PART=part, STACK=True, BM=max(32, common["BM"] // 2)), nw)
     for bm, bd in ((32, 64), (16, 32)):
         for per_token in (False, True):
             for hoist in (False, True):
@@ -141,8 +143,10 @@ def _launches(T, M, C=64):
                                                                    M, C=C, **{**sz("bwd_a stacked"), **f},
                                                                    STACK=True, num_warps=nw)}
     for key, pt in (("bwd_dq", 1), ("bwd_dk", 2), ("bwd_dv", 4)):
-        out[key] = lambda nw, pt=pt, key=key, **f: ch._bwd_part_kernel[grid](*bwd_args, C=C, **{**sz(key), **f},
-                                                                             PART=pt, num_warps=nw)
+        for stack in (False, True):
+            name = f"{key} stacked" if stack else key
+            out[name] = lambda nw, pt=pt, name=name, stack=stack, **f: ch._bwd_part_kernel[grid](
+                *bwd_args, C=C, **{**sz(name), **f}, PART=pt, STACK=stack, num_warps=nw)
     totals = {"fwd total": lambda: ch.interdomain_fwd(q, k, v, decay, b, chunk_size=C),
               "bwd total": lambda: ch.interdomain_bwd(q, k, v, decay, b, None, None, do, None, None, C)}
     scans = {"scan": lambda: ch.scan(k, b, pw, decay, C),
@@ -248,6 +252,10 @@ def decode_step(B, M):
 def jobs_for(Ts, only_ours):
     jobs = [("interdomain C=64", T, 32, lambda T=T: ours(T, 32)) for T in Ts]
     jobs += [("breakdown", T, 32, lambda T=T: breakdown(T, 32)) for T in (2048, 65536)]
+    flip = {key: not on for key, on in ch.STACK_MODES.items()}
+    other = lambda T: _with_attr(ch, "STACK_MODES", flip, lambda: ours(T, 32))  # noqa: E731
+    jobs += [(f"interdomain C=64 stacked modes {'off' if any(ch.STACK_MODES.values()) else 'on'}", T, 32,
+              lambda T=T: other(T)) for T in Ts]
     unseg = lambda T: _with_attr(ch, "SCAN_SEGMENT", 0, lambda: ours(T, 32))  # noqa: E731
     jobs += [("interdomain C=64 unsegmented scans", T, 32, lambda T=T: unseg(T)) for T in Ts if T >= 65536]
     jobs += [("interdomain C=64", T, 64, lambda T=T: ours(T, 64)) for T in Ts if T in (2048, 65536)]

@@ -16,7 +16,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-KERNELS = ("fwd", "bwd_a", "bwd_a stacked", "bwd_dq", "bwd_dk", "bwd_dv")
+KERNELS = ("fwd", "bwd_a", "bwd_a stacked", "bwd_dq", "bwd_dq stacked", "bwd_dk", "bwd_dk stacked", "bwd_dv",
+           "bwd_dv stacked")
 TILES = ((32, 64), (64, 32), (32, 32), (64, 64))
 
 
@@ -55,9 +56,9 @@ def launch_all(kernel, bm, bd, timed=False):
     else:
         outs = {"dq": torch.zeros_like(q), "dk": torch.zeros_like(k), "dv": torch.zeros_like(v),
                 "partials": torch.zeros_like(part)}
-        pt = {"bwd_dq": 1, "bwd_dk": 2, "bwd_dv": 4}[kernel]
+        pt = {"bwd_dq": 1, "bwd_dk": 2, "bwd_dv": 4}[kernel.split()[0]]
         fn = lambda: ch._bwd_part_kernel[grid](q, k, v, do, a, da, ub, gb, rub, rgb, b, pw, *outs.values(), T,  # noqa
-                                               NC, H, M, C=C, **sizes, PART=pt)
+                                               NC, H, M, C=C, **sizes, PART=pt, STACK=kernel.endswith("stacked"))
     fn()
     torch.cuda.synchronize()
     if timed:

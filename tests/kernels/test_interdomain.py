@@ -161,16 +161,16 @@ def test_segmented_scans_match_naive(nan_empty, segmented, T, C, init, normalize
 
 
 @pytest.fixture
-def bwd_a_stacked(monkeypatch):
+def stacked(monkeypatch):
     from kernels.interdomain import chunk
 
-    monkeypatch.setattr(chunk, "BWD_A_STACK", True)
+    monkeypatch.setattr(chunk, "STACK_MODES", {key: True for key in chunk.STACK_MODES})
 
 
 @pytest.mark.parametrize("T,M,normalize", [(100, 8, True), (300, 32, False), (64, 24, False)])
-def test_stacked_bwd_a_matches_naive(nan_empty, bwd_a_stacked, T, M, normalize):
-    """bwd_a with real and imaginary parts stacked into one operand (chunk.BWD_A_STACK): every gradient, also with
-    padded modes (M = 24 in a 32-mode tile)."""
+def test_stacked_backward_matches_naive(nan_empty, stacked, T, M, normalize):
+    """The backward kernels with real and imaginary parts stacked into one operand (chunk.STACK_MODES): every
+    gradient, also with padded modes (M = 24 in a 32-mode tile)."""
     compare(make_inputs(1, T, 2, 16, 24, M, normalize=normalize), FP32_TOL, normalize=normalize)
 
 
@@ -238,7 +238,7 @@ def test_hoisted_scan_gpu_bf16(nan_empty, scan_hoist, T, M):
 @pytest.mark.gpu
 @requires_gpu
 @pytest.mark.parametrize("T,M", [(300, 32), (1000, 64)])
-def test_stacked_bwd_a_gpu_bf16(nan_empty, bwd_a_stacked, T, M):
+def test_stacked_backward_gpu_bf16(nan_empty, stacked, T, M):
     compare(make_inputs(2, T, 3, 128, 128, M, dtype=torch.bfloat16), BF16_TOL, BF16_GRAD_TOL)
 
 
