@@ -75,7 +75,8 @@ def compile_report(Ms=(32,), warps=(4,)):
         # mode tiles as the GPU runs them (chunk._sizes: at least 64)
         common = dict(K=D, V=D, C=64, BM=max(64, 1 << (M - 1).bit_length()), BK=64, BV=64, PREC="tf32")
         for nw in warps:
-            build(f"fwd M={M}", ch._fwd_kernel, common, nw)
+            build(f"fwd M={M}", ch._fwd_kernel, dict(common, STACK=False), nw)
+            build(f"fwd M={M} stacked", ch._fwd_kernel, dict(common, STACK=True, BM=max(32, common["BM"] // 2)), nw)
             build(f"bwd_a M={M}", ch._bwd_a_kernel, dict(common, STACK=False), nw)
             build(f"bwd_a M={M} stacked", ch._bwd_a_kernel, dict(common, STACK=True, BM=max(32, common["BM"] // 2)),
                   nw)
@@ -137,6 +138,9 @@ def _launches(T, M, C=64):
     bwd_args = (q, k, v, do, a, da, ub, gb, rub, rgb, b, pw, dq, dk, dv, part, T, NC, H, M)
     out = {"fwd": lambda nw, **f: ch._fwd_kernel[grid](q, k, v, ub, gb, b, pw, do, T, NC, H, M, C=C,
                                                        **{**sz("fwd"), **f}, num_warps=nw),
+           "fwd stacked": lambda nw, **f: ch._fwd_kernel[grid](q, k, v, ub, gb, b, pw, do, T, NC, H, M, C=C,
+                                                               **{**sz("fwd stacked"), **f}, STACK=True,
+                                                               num_warps=nw),
            "bwd_a": lambda nw, **f: ch._bwd_a_kernel[grid](q, k, v, do, ub, gb, b, pw, a, da, part, T, NC, H, M,
                                                            C=C, **{**sz("bwd_a"), **f}, num_warps=nw),
            "bwd_a stacked": lambda nw, **f: ch._bwd_a_kernel[grid](q, k, v, do, ub, gb, b, pw, a, da, part, T, NC, H,

@@ -16,9 +16,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-KERNELS = ("fwd", "bwd_a", "bwd_a stacked", "bwd_dq", "bwd_dq stacked", "bwd_dk", "bwd_dk stacked", "bwd_dv",
-           "bwd_dv stacked")
-TILES = ((32, 64), (64, 32), (32, 32), (64, 64))
+KERNELS = tuple(f"{k}{s}" for k in ("fwd", "bwd_a", "bwd_dq", "bwd_dk", "bwd_dv") for s in ("", " stacked"))
+TILES = {"": ((32, 64), (64, 32), (64, 64)), " stacked": ((32, 64), (64, 64))}  # (BM, BD), 64 x 64 the control
 
 
 def launch_all(kernel, bm, bd, timed=False):
@@ -46,9 +45,10 @@ def launch_all(kernel, bm, bd, timed=False):
     ch._bwd_a_kernel[grid](q, k, v, do, ub, gb, b, pw, a, da, part, T, NC, H, M, C=C, **ch._sizes(q, v, b, "bwd_a"))
     rub, _ = ch.scan(q, b, pw, decay, C, c=da, rev=True)
     rgb, _ = ch.scan(do, b, pw, decay, C, c=a, rev=True)
-    if kernel == "fwd":
+    if kernel.startswith("fwd"):
         outs = {"o": torch.zeros_like(v)}
-        fn = lambda: ch._fwd_kernel[grid](q, k, v, ub, gb, b, pw, outs["o"], T, NC, H, M, C=C, **sizes)  # noqa
+        fn = lambda: ch._fwd_kernel[grid](q, k, v, ub, gb, b, pw, outs["o"], T, NC, H, M, C=C, **sizes,  # noqa
+                                          STACK=kernel == "fwd stacked")
     elif kernel.startswith("bwd_a"):
         outs = {"a": torch.zeros_like(a), "da": torch.zeros_like(da), "partials": torch.zeros_like(part)}
         fn = lambda: ch._bwd_a_kernel[grid](q, k, v, do, ub, gb, b, pw, *outs.values(), T, NC, H, M, C=C,  # noqa
@@ -99,12 +99,12 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--one", nargs=3, metavar=("KERNEL", "BM", "BD"))
     ap.add_argument("--time", action="store_true", help="(with --one) also time the launch")
-    ap.add_argument("--jobs", type=int, default=8, help="processes of the correctness pass")
+    ap.add_argument("--jobs", type=int, default=12, help="processes of the correctness pass")
     args = ap.parse_args()
     if args.one:
         one(args.one[0], int(args.one[1]), int(args.one[2]), args.time)
         return
-    jobs = [(k, bm, bd) for k in KERNELS for bm, bd in TILES]
+    jobs = [(k, bm, bd) for k in KERNELS for bm, bd in TILES[" stacked" if k.endswith("stacked") else ""]]
     with ThreadPoolExecutor(args.jobs) as ex:
         rows = list(ex.map(lambda j: run(*j), jobs))
     for i, r in enumerate(rows):  # timed one at a time: parallel processes would share the GPU

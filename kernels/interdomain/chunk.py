@@ -406,7 +406,7 @@ def _w_matrix_t(pr_, pi_, rtr, rti, oc, DT, PREC: tl.constexpr):
 @triton.jit
 def _fwd_kernel(q_ptr, k_ptr, v_ptr, ub_ptr, gb_ptr, b_ptr, pw_ptr, o_ptr, T, NC, H, M,
                 K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
-                BV: tl.constexpr, PREC: tl.constexpr):
+                BV: tl.constexpr, PREC: tl.constexpr, STACK: tl.constexpr = False):
     ic, i_bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
     i_b, i_h = i_bh // H, i_bh % H
     DT = q_ptr.dtype.element_ty
@@ -420,23 +420,54 @@ def _fwd_kernel(q_ptr, k_ptr, v_ptr, ub_ptr, gb_ptr, b_ptr, pw_ptr, o_ptr, T, NC
     bi = tl.load(b_ptr + (i_h * M + om) * 2 + 1, mask=mm, other=0.0)
     ub = ub_ptr + (i_bh * NC + ic) * 2 * M * K
     ar, ai, _, _, _ = _readout_a(q_ptr, k_ptr, ub, pw, br[None, :], bi[None, :], rows, ok, oc, om, mm, M, K, C, BK,
-                                 BM, PREC)
-    ptr_, pti = _pow(pw, oc[None, :], om[:, None], mm[:, None], M)
-    ptr_, pti = _cmul(br[:, None], bi[:, None], ptr_, pti)
-    w = _w_matrix(ar, ai, ptr_, pti, oc, DT, PREC).to(DT)
+                                 BM, PREC, STACK)
+    gb = gb_ptr + (i_bh * NC + ic) * 2 * M * V
+    if STACK:
+        _fwd_o_stacked(v_ptr, o_ptr, gb, b_ptr, pw, ar, ai, rows, ok, oc, om, mm, i_h, M, V, C, BM, BV, PREC)
+    else:
+        ptr_, pti = _pow(pw, oc[None, :], om[:, None], mm[:, None], M)
+        ptr_, pti = _cmul(br[:, None], bi[:, None], ptr_, pti)
+        w = _w_matrix(ar, ai, ptr_, pti, oc, DT, PREC).to(DT)
+        sr, si = _pow(pw, oc[:, None] + 1, om[None, :], mm[None, :], M)
+        xr, xi = _cmul(ar, ai, sr, -si)
+        xr = xr.to(DT)
+        xi = xi.to(DT)
+        for d0 in tl.static_range(0, V, BV):
+            od = d0 + tl.arange(0, BV)
+            md = od < V
+            mrow = ok[:, None] & md[None, :]
+            pg = gb + om[:, None] * V + od[None, :]
+            mg = mm[:, None] & md[None, :]
+            acc = tl.dot(xr, tl.load(pg, mask=mg, other=0.0).to(DT), input_precision=PREC)
+            acc += tl.dot(xi, tl.load(pg + M * V, mask=mg, other=0.0).to(DT), input_precision=PREC)
+            vt = tl.load(v_ptr + rows[:, None] * V + od[None, :], mask=mrow, other=0.0).to(DT)
+            acc += tl.dot(w, vt, input_precision=PREC)
+            tl.store(o_ptr + rows[:, None] * V + od[None, :], acc.to(o_ptr.dtype.element_ty), mask=mrow)
+
+
+@triton.jit
+def _fwd_o_stacked(v_ptr, o_ptr, gb, b_ptr, pw, ar, ai, rows, ok, oc, om, mm, i_h, M, V: tl.constexpr,
+                   C: tl.constexpr, BM: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr):
+    """o = W V + Re((a conj lam^(j+1)) conj Gamma_c) with the products over the modes on interleaved [., 2 BM]
+    operands (STACK)."""
+    DT = v_ptr.dtype.element_ty
+    m2, p2 = _modes2(BM)
+    mk2 = m2 < M
+    br2 = tl.load(b_ptr + (i_h * M + m2) * 2, mask=mk2, other=0.0)
+    bi2 = tl.load(b_ptr + (i_h * M + m2) * 2 + 1, mask=mk2, other=0.0)
+    pt2 = _bpow2(pw, oc[None, :], m2[:, None], p2[:, None], br2[:, None], bi2[:, None], mk2[:, None], M)
+    low, gidx = _lower(oc)
+    wp = tl.dot(_join2(ar, ai, C, BM).to(DT), pt2.to(DT), input_precision=PREC)
+    w = tl.where(low, tl.gather(wp, gidx, 1), 0.0).to(DT)
     sr, si = _pow(pw, oc[:, None] + 1, om[None, :], mm[None, :], M)
     xr, xi = _cmul(ar, ai, sr, -si)
-    xr = xr.to(DT)
-    xi = xi.to(DT)
-    gb = gb_ptr + (i_bh * NC + ic) * 2 * M * V
+    x2 = _join2(xr, xi, C, BM).to(DT)
     for d0 in tl.static_range(0, V, BV):
         od = d0 + tl.arange(0, BV)
         md = od < V
         mrow = ok[:, None] & md[None, :]
-        pg = gb + om[:, None] * V + od[None, :]
-        mg = mm[:, None] & md[None, :]
-        acc = tl.dot(xr, tl.load(pg, mask=mg, other=0.0).to(DT), input_precision=PREC)
-        acc += tl.dot(xi, tl.load(pg + M * V, mask=mg, other=0.0).to(DT), input_precision=PREC)
+        g2 = tl.load(gb + (p2 * M + m2)[:, None] * V + od[None, :], mask=mk2[:, None] & md[None, :], other=0.0)
+        acc = tl.dot(x2, g2.to(DT), input_precision=PREC)
         vt = tl.load(v_ptr + rows[:, None] * V + od[None, :], mask=mrow, other=0.0).to(DT)
         acc += tl.dot(w, vt, input_precision=PREC)
         tl.store(o_ptr + rows[:, None] * V + od[None, :], acc.to(o_ptr.dtype.element_ty), mask=mrow)
@@ -779,14 +810,13 @@ SCAN_HOIST = {"const": True, "per_token": True}
 # tiles below 64 into wgmma reads past their shared buffer (compute-sanitizer: invalid __shared__ read, illegal
 # address at M = 16, 32), and the dq kernel likewise with 32-wide feature tiles (bench --sweep); 64-wide tiles run
 # correctly, so all are padded (masked) to 64 until tools/probe_interdomain_tiles.py shows a kernel safe without.
-GPU_MIN_TILE = {"fwd": (64, 64), "bwd_a": (64, 64), "bwd_dq": (64, 64), "bwd_dk": (64, 64), "bwd_dv": (64, 64),
-                "bwd_a stacked": (32, 64), "bwd_dq stacked": (32, 64), "bwd_dk stacked": (32, 64),
-                "bwd_dv stacked": (32, 64)}
-# backward kernels with their products over the modes taken on operands of 2 BM interleaved real / imaginary
-# columns (_readout_a, _bwd_part_stacked), so that no product is BM wide and M = 32 can take 32-mode tiles (half
-# the registers of the padded [C, M] tiles); correct in the interpreter, off until the GPU tests and
-# tools/probe_interdomain_tiles.py have run them on an H200 (#3)
-STACK_MODES = {"bwd_a": False, "bwd_dq": False, "bwd_dk": False, "bwd_dv": False}
+GPU_MIN_TILE = {**{k: (64, 64) for k in ("fwd", "bwd_a", "bwd_dq", "bwd_dk", "bwd_dv")},
+                **{f"{k} stacked": (32, 64) for k in ("fwd", "bwd_a", "bwd_dq", "bwd_dk", "bwd_dv")}}
+# readout kernels with their products over the modes taken on operands of 2 BM interleaved real / imaginary
+# columns (_readout_a, _fwd_o_stacked, _bwd_part_stacked), so that no product is BM wide and M = 32 can take
+# 32-mode tiles (half the registers of the padded [C, M] tiles); correct in the interpreter, off until the GPU tests
+# and tools/probe_interdomain_tiles.py have run them on an H200 (#3)
+STACK_MODES = {"fwd": False, "bwd_a": False, "bwd_dq": False, "bwd_dk": False, "bwd_dv": False}
 # scans over fewer than SCAN_SEGMENT_BELOW (b, h, state tile) rows run in segments of SCAN_SEGMENT chunks (0: never)
 SCAN_SEGMENT, SCAN_SEGMENT_BELOW = 32, 512
 
@@ -863,8 +893,8 @@ def interdomain_fwd(q, k, v, decay, b, u0=None, g0=None, chunk_size=64):
     ub, uf = scan(k, b, pw, decay, C, x0=u0)
     gb, gf = scan(v, b, pw, decay, C, x0=g0)
     o = torch.empty_like(v)
-    _fwd_kernel[(NC, B * H)](q, k, v, ub, gb, b, pw, o, T, NC, H, M, C=C, **_sizes(q, v, b, "fwd"),
-                             num_warps=NUM_WARPS["fwd"])
+    _fwd_kernel[(NC, B * H)](q, k, v, ub, gb, b, pw, o, T, NC, H, M, C=C, **_sizes(q, v, b, _tile_key("fwd")),
+                             STACK=STACK_MODES["fwd"], num_warps=NUM_WARPS["fwd"])
     return o, uf, gf
 
 

@@ -168,8 +168,8 @@ def stacked(monkeypatch):
 
 
 @pytest.mark.parametrize("T,M,normalize", [(100, 8, True), (300, 32, False), (64, 24, False)])
-def test_stacked_backward_matches_naive(nan_empty, stacked, T, M, normalize):
-    """The backward kernels with real and imaginary parts stacked into one operand (chunk.STACK_MODES): every
+def test_stacked_modes_match_naive(nan_empty, stacked, T, M, normalize):
+    """The readout kernels with real and imaginary parts stacked into one operand (chunk.STACK_MODES): every
     gradient, also with padded modes (M = 24 in a 32-mode tile)."""
     compare(make_inputs(1, T, 2, 16, 24, M, normalize=normalize), FP32_TOL, normalize=normalize)
 
@@ -238,7 +238,7 @@ def test_hoisted_scan_gpu_bf16(nan_empty, scan_hoist, T, M):
 @pytest.mark.gpu
 @requires_gpu
 @pytest.mark.parametrize("T,M", [(300, 32), (1000, 64)])
-def test_stacked_backward_gpu_bf16(nan_empty, stacked, T, M):
+def test_stacked_modes_gpu_bf16(nan_empty, stacked, T, M):
     compare(make_inputs(2, T, 3, 128, 128, M, dtype=torch.bfloat16), BF16_TOL, BF16_GRAD_TOL)
 
 
