@@ -6,11 +6,14 @@ is exact in range, by shearing the [C, C] matrix with tl.gather (D[t, n] = A[t, 
 [C, 2M] table of lam^n; the o-side builds W'[t, n] = sum_m Re(a_t conj(b lam^n)) as a product and shears it back
 (W[t, s] = W'[t, t - s]). Kernels:
   _powers_kernel   lam^n, n = 0..C, per head (fp64 math, fp32 table): the only decay table, built on the device
-  _scan_kernel     chunk-boundary states of X_t = lam X_{t-1} + c_t z_t (forward), or of the adjoint in reverse
+  _scan_kernel     chunk-boundary states of X_t = lam X_{t-1} + c_t z_t (forward), or of the adjoint in reverse,
+                   over all chunks or over one segment of them (long sequences)
+  _carry_kernel    a segmented scan's segment start states from the segments' end states
   _fwd_kernel      o from (q, k, U_c) and (v, Gamma_c)
   _bwd_a_kernel    a and da per token, plus the intra-chunk parts of d(log lam) and db
   _bwd_part_kernel dq, dk or dv (one launch each), the dk and dv launches with their shares of the state parts of
                    d(log lam) and db
+The readout kernels can take their products over the modes on interleaved [., 2 BM] operands (STACK_MODES).
 """
 
 import os
