@@ -389,12 +389,25 @@ def _join2(xr, xi, C: tl.constexpr, BM: tl.constexpr):
 
 
 @triton.jit
+def _shear_lower(wp, oc):
+    """W[t, s] = W'[t, t - s] for s <= t, 0 above the diagonal."""
+    low, gidx = _lower(oc)
+    return tl.where(low, tl.gather(wp, gidx, 1), 0.0)
+
+
+@triton.jit
+def _shear_upper(wp, oc):
+    """W^T[t, s] = W'[s, s - t] for s >= t, 0 below the diagonal."""
+    up, gidx = _upper(oc)
+    return tl.where(up, tl.gather(wp, gidx, 0), 0.0)
+
+
+@triton.jit
 def _w_matrix(rr, ri, ptr_, pti, oc, DT, PREC: tl.constexpr):
     """W[t, s] = sum_m Re(r_t conj(b lam^(t-s))) for s <= t, from r [C, BM] and (b lam^n)^T [BM, C]."""
     wp = tl.dot(rr.to(DT), ptr_.to(DT), input_precision=PREC)
     wp += tl.dot(ri.to(DT), pti.to(DT), input_precision=PREC)
-    low, gidx = _lower(oc)
-    return tl.where(low, tl.gather(wp, gidx, 1), 0.0)
+    return _shear_lower(wp, oc)
 
 
 @triton.jit
@@ -402,8 +415,7 @@ def _w_matrix_t(pr_, pi_, rtr, rti, oc, DT, PREC: tl.constexpr):
     """W^T[t, s] = W[s, t] for s >= t, from b lam^n [C, BM] and r^T [BM, C]."""
     wp = tl.dot(pr_.to(DT), rtr.to(DT), input_precision=PREC)
     wp += tl.dot(pi_.to(DT), rti.to(DT), input_precision=PREC)
-    up, gidx = _upper(oc)
-    return tl.where(up, tl.gather(wp, gidx, 0), 0.0)
+    return _shear_upper(wp, oc)
 
 
 @triton.jit
@@ -424,8 +436,8 @@ def _fwd_kernel(q_ptr, k_ptr, v_ptr, ub_ptr, gb_ptr, b_ptr, pw_ptr, o_ptr, T, NC
     ub = ub_ptr + (i_bh * NC + ic) * 2 * M * K
     ar, ai, _, _, _ = _readout_a(q_ptr, k_ptr, ub, pw, br[None, :], bi[None, :], rows, ok, oc, om, mm, M, K, C, BK,
                                  BM, PREC, STACK)
-    gb = gb_ptr + (i_bh * NC + ic) * 2 * M * V
     if STACK:
+        gb = gb_ptr + (i_bh * NC + ic) * 2 * M * V
         _fwd_o_stacked(v_ptr, o_ptr, gb, b_ptr, pw, ar, ai, rows, ok, oc, om, mm, i_h, M, V, C, BM, BV, PREC)
     else:
         ptr_, pti = _pow(pw, oc[None, :], om[:, None], mm[:, None], M)
@@ -435,6 +447,7 @@ def _fwd_kernel(q_ptr, k_ptr, v_ptr, ub_ptr, gb_ptr, b_ptr, pw_ptr, o_ptr, T, NC
         xr, xi = _cmul(ar, ai, sr, -si)
         xr = xr.to(DT)
         xi = xi.to(DT)
+        gb = gb_ptr + (i_bh * NC + ic) * 2 * M * V
         for d0 in tl.static_range(0, V, BV):
             od = d0 + tl.arange(0, BV)
             md = od < V
@@ -454,14 +467,9 @@ def _fwd_o_stacked(v_ptr, o_ptr, gb, b_ptr, pw, ar, ai, rows, ok, oc, om, mm, i_
     """o = W V + Re((a conj lam^(j+1)) conj Gamma_c) with the products over the modes on interleaved [., 2 BM]
     operands (STACK)."""
     DT = v_ptr.dtype.element_ty
-    m2, p2 = _modes2(BM)
-    mk2 = m2 < M
-    br2 = tl.load(b_ptr + (i_h * M + m2) * 2, mask=mk2, other=0.0)
-    bi2 = tl.load(b_ptr + (i_h * M + m2) * 2 + 1, mask=mk2, other=0.0)
+    m2, p2, mk2, br2, bi2 = _b_modes2(b_ptr, i_h, M, BM)
     pt2 = _bpow2(pw, oc[None, :], m2[:, None], p2[:, None], br2[:, None], bi2[:, None], mk2[:, None], M)
-    low, gidx = _lower(oc)
-    wp = tl.dot(_join2(ar, ai, C, BM).to(DT), pt2.to(DT), input_precision=PREC)
-    w = tl.where(low, tl.gather(wp, gidx, 1), 0.0).to(DT)
+    w = _shear_lower(tl.dot(_join2(ar, ai, C, BM).to(DT), pt2.to(DT), input_precision=PREC), oc).to(DT)
     sr, si = _pow(pw, oc[:, None] + 1, om[None, :], mm[None, :], M)
     xr, xi = _cmul(ar, ai, sr, -si)
     x2 = _join2(xr, xi, C, BM).to(DT)
@@ -602,10 +610,15 @@ def _grad_rev(out_ptr, x_ptr, z_ptr, wt, yr, yi, sb, ub, rows, ok, om, mm, M, D:
 
 
 @triton.jit
-def _modes2(BM: tl.constexpr):
-    """Mode and part (0 real, 1 imaginary) of each of 2 BM interleaved columns."""
+def _b_modes2(b_ptr, i_h, M, BM: tl.constexpr):
+    """Mode and part (0 real, 1 imaginary) of each of 2 BM interleaved columns, the mode mask, and b (re, im) per
+    column."""
     o2 = tl.arange(0, 2 * BM)
-    return o2 // 2, o2 % 2
+    m2, p2 = o2 // 2, o2 % 2
+    mk2 = m2 < M
+    br2 = tl.load(b_ptr + (i_h * M + m2) * 2, mask=mk2, other=0.0)
+    bi2 = tl.load(b_ptr + (i_h * M + m2) * 2 + 1, mask=mk2, other=0.0)
+    return m2, p2, mk2, br2, bi2
 
 
 @triton.jit
@@ -743,15 +756,11 @@ def _bwd_part_stacked(q_ptr, k_ptr, v_ptr, do_ptr, a_ptr, da_ptr, ub, gb, rub, r
     """_bwd_part_kernel's body with every product over the modes taken on interleaved [., 2 BM] operands (no
     product is BM wide, so BM = M = 32 builds; STACK)."""
     DT = q_ptr.dtype.element_ty
-    m2, p2 = _modes2(BM)
-    mk2 = m2 < M
-    br2 = tl.load(b_ptr + (i_h * M + m2) * 2, mask=mk2, other=0.0)
-    bi2 = tl.load(b_ptr + (i_h * M + m2) * 2 + 1, mask=mk2, other=0.0)
+    m2, p2, mk2, br2, bi2 = _b_modes2(b_ptr, i_h, M, BM)
     if PART == 1:
         g2 = _coef2(da_ptr, rows, ok, m2, p2, M, False)
         pt2 = _bpow2(pw, oc[None, :], m2[:, None], p2[:, None], br2[:, None], bi2[:, None], mk2[:, None], M)
-        low, gidx = _lower(oc)
-        wd = tl.where(low, tl.gather(tl.dot(g2.to(DT), pt2.to(DT), input_precision=PREC), gidx, 1), 0.0).to(DT)
+        wd = _shear_lower(tl.dot(g2.to(DT), pt2.to(DT), input_precision=PREC), oc).to(DT)
         gr, gi = _split2(g2, C, BM)
         sr, si = _pow(pw, oc[:, None] + 1, om[None, :], mm[None, :], M)
         xr, xi = _cmul(gr, gi, sr, -si)
@@ -761,17 +770,15 @@ def _bwd_part_stacked(q_ptr, k_ptr, v_ptr, do_ptr, a_ptr, da_ptr, ub, gb, rub, r
         e = tl.maximum(L - 1 - oc, 0)[:, None]
         y2 = _bpow2(pw, e, m2[None, :], p2[None, :], br2[None, :], bi2[None, :], ok[:, None] & mk2[None, :], M)
         er, ei = _pow(pw, e, om[None, :], ok[:, None] & mm[None, :], M)
-        up, gidx = _upper(oc)
+        # dk takes da (W_da^T q), dv takes a (W^T dO)
+        ct2 = _coef2(da_ptr if PART == 2 else a_ptr, rows, ok, m2, p2, M, True)
+        wt = _shear_upper(tl.dot(pp2.to(DT), ct2.to(DT), input_precision=PREC), oc).to(DT)
         if PART == 2:
-            ct2 = _coef2(da_ptr, rows, ok, m2, p2, M, True)
-            wt = tl.where(up, tl.gather(tl.dot(pp2.to(DT), ct2.to(DT), input_precision=PREC), gidx, 0), 0.0)
-            zsr, zsi, sur, sui = _grad_rev2(dk_ptr, q_ptr, k_ptr, wt.to(DT), y2.to(DT), rub, ub, rows, ok, om, mm,
-                                            m2, p2, M, K, C, BK, BM, PREC)
+            zsr, zsi, sur, sui = _grad_rev2(dk_ptr, q_ptr, k_ptr, wt, y2.to(DT), rub, ub, rows, ok, om, mm, m2, p2,
+                                            M, K, C, BK, BM, PREC)
         else:
-            ct2 = _coef2(a_ptr, rows, ok, m2, p2, M, True)
-            wt = tl.where(up, tl.gather(tl.dot(pp2.to(DT), ct2.to(DT), input_precision=PREC), gidx, 0), 0.0)
-            zsr, zsi, sur, sui = _grad_rev2(dv_ptr, do_ptr, v_ptr, wt.to(DT), y2.to(DT), rgb, gb, rows, ok, om, mm,
-                                            m2, p2, M, V, C, BV, BM, PREC)
+            zsr, zsi, sur, sui = _grad_rev2(dv_ptr, do_ptr, v_ptr, wt, y2.to(DT), rgb, gb, rows, ok, om, mm, m2, p2,
+                                            M, V, C, BV, BM, PREC)
         _state_partials(part_ptr, zsr, zsi, sur, sui, er, ei, br, bi, pw, L, oc, om, mm, i_bh, NC, ic, M)
 
 
