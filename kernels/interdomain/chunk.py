@@ -419,12 +419,11 @@ def _w_matrix_t(pr_, pi_, rtr, rti, oc, DT, PREC: tl.constexpr):
 
 
 @triton.jit
-def _fwd_kernel(q_ptr, k_ptr, v_ptr, ub_ptr, gb_ptr, b_ptr, pw_ptr, o_ptr, T, NC, H, M,
-                K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
-                BV: tl.constexpr, PREC: tl.constexpr, STACK: tl.constexpr = False):
+def _chunk_program(b_ptr, pw_ptr, T, H, M, C: tl.constexpr, BM: tl.constexpr):
+    """A readout program's chunk ic and (batch, head) row i_bh (head i_h); the chunk's token rows of [B, T, H, .]
+    and their in-range mask; the mode tile and its mask; the head's power table and b (re, im)."""
     ic, i_bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
     i_b, i_h = i_bh // H, i_bh % H
-    DT = q_ptr.dtype.element_ty
     oc = tl.arange(0, C)
     ok = ic * C + oc < T
     rows = (i_b * T + ic * C + oc) * H + i_h
@@ -433,6 +432,15 @@ def _fwd_kernel(q_ptr, k_ptr, v_ptr, ub_ptr, gb_ptr, b_ptr, pw_ptr, o_ptr, T, NC
     pw = pw_ptr + i_h * (C + 1) * 2 * M
     br = tl.load(b_ptr + (i_h * M + om) * 2, mask=mm, other=0.0)
     bi = tl.load(b_ptr + (i_h * M + om) * 2 + 1, mask=mm, other=0.0)
+    return ic, i_bh, i_h, oc, ok, rows, om, mm, pw, br, bi
+
+
+@triton.jit
+def _fwd_kernel(q_ptr, k_ptr, v_ptr, ub_ptr, gb_ptr, b_ptr, pw_ptr, o_ptr, T, NC, H, M,
+                K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
+                BV: tl.constexpr, PREC: tl.constexpr, STACK: tl.constexpr = False):
+    ic, i_bh, i_h, oc, ok, rows, om, mm, pw, br, bi = _chunk_program(b_ptr, pw_ptr, T, H, M, C, BM)
+    DT = q_ptr.dtype.element_ty
     ub = ub_ptr + (i_bh * NC + ic) * 2 * M * K
     ar, ai, _, _, _ = _readout_a(q_ptr, k_ptr, ub, pw, br[None, :], bi[None, :], rows, ok, oc, om, mm, M, K, C, BK,
                                  BM, PREC, STACK)
@@ -488,17 +496,10 @@ def _fwd_o_stacked(v_ptr, o_ptr, gb, b_ptr, pw, ar, ai, rows, ok, oc, om, mm, i_
 def _bwd_a_kernel(q_ptr, k_ptr, v_ptr, do_ptr, ub_ptr, gb_ptr, b_ptr, pw_ptr, a_ptr, da_ptr, part_ptr, T, NC, H, M,
                   K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
                   BV: tl.constexpr, PREC: tl.constexpr, STACK: tl.constexpr = False):
-    ic, i_bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
-    i_b, i_h = i_bh // H, i_bh % H
+    ic, i_bh, i_h, oc, ok, rows, om, mm, pw, br, bi = _chunk_program(b_ptr, pw_ptr, T, H, M, C, BM)
     DT = q_ptr.dtype.element_ty
-    oc = tl.arange(0, C)
-    ok = ic * C + oc < T
-    rows = (i_b * T + ic * C + oc) * H + i_h
-    om = tl.arange(0, BM)
-    mm = om < M
-    pw = pw_ptr + i_h * (C + 1) * 2 * M
-    br = tl.load(b_ptr + (i_h * M + om) * 2, mask=mm, other=0.0)[None, :]
-    bi = tl.load(b_ptr + (i_h * M + om) * 2 + 1, mask=mm, other=0.0)[None, :]
+    br = br[None, :]
+    bi = bi[None, :]
     ub = ub_ptr + (i_bh * NC + ic) * 2 * M * K
     gb = gb_ptr + (i_bh * NC + ic) * 2 * M * V
     ar, ai, par, pai, shq = _readout_a(q_ptr, k_ptr, ub, pw, br, bi, rows, ok, oc, om, mm, M, K, C, BK, BM, PREC,
@@ -700,6 +701,7 @@ def _bwd_part_kernel(q_ptr, k_ptr, v_ptr, do_ptr, a_ptr, da_ptr, ub_ptr, gb_ptr,
     tools/results/interdomain-2026-11-30-6fcc793.md). The dk / dv launches spill (138 B); taking the state sums
     <S, U_c> in a loop of their own spilled more (154 B) and ran slower, 1.41 against 1.33 ms
     (interdomain-sweep-plans-2026-11-30.md)."""
+    # its own preamble, not _chunk_program's: the chunk length L comes first, as in the build measured on the H200
     ic, i_bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
     i_b, i_h = i_bh // H, i_bh % H
     DT = q_ptr.dtype.element_ty
