@@ -72,18 +72,14 @@ def compile_report(Ms=(32,), warps=(4,)):
         print(format_table(rows[-1:]), flush=True)
 
     for M in Ms:
-        # mode tiles as the GPU runs them (chunk._sizes: at least 64)
-        common = dict(K=D, V=D, C=64, BM=max(64, 1 << (M - 1).bit_length()), BK=64, BV=64, PREC="tf32")
+        # tiles as the GPU runs them (chunk._sizes)
+        bm = max(ch.GPU_MIN_TILE[0], 1 << (M - 1).bit_length())
+        common = dict(K=D, V=D, C=64, BM=bm, BK=64, BV=64, PREC="tf32")
         for nw in warps:
-            build(f"fwd M={M}", ch._fwd_kernel, dict(common, STACK=False), nw)
-            build(f"fwd M={M} stacked", ch._fwd_kernel, dict(common, STACK=True, BM=max(32, common["BM"] // 2)), nw)
-            build(f"bwd_a M={M}", ch._bwd_a_kernel, dict(common, STACK=False), nw)
-            build(f"bwd_a M={M} stacked", ch._bwd_a_kernel, dict(common, STACK=True, BM=max(32, common["BM"] // 2)),
-                  nw)
+            build(f"fwd M={M}", ch._fwd_kernel, dict(common, STACK=bm < ch.FWD_STACK_BELOW), nw)
+            build(f"bwd_a M={M}", ch._bwd_a_kernel, common, nw)
             for part in (1, 2, 4):
-                build(f"bwd_part {part} M={M}", ch._bwd_part_kernel, dict(common, PART=part, STACK=False), nw)
-                build(f"bwd_part {part} M={M} stacked", ch._bwd_part_kernel,
-                      dict(common, PART=part, STACK=True, BM=max(32, common["BM"] // 2)), nw)
+                build(f"bwd_part {part} M={M}", ch._bwd_part_kernel, dict(common, PART=part), nw)
     for bm, bd in ((32, 64), (16, 32)):
         for per_token in (False, True):
             for hoist in (False, True):
@@ -134,23 +130,16 @@ def _launches(T, M, C=64):
     rub, _ = ch.scan(q, b, pw, decay, C, c=da, rev=True)
     rgb, _ = ch.scan(do, b, pw, decay, C, c=a, rev=True)
     dq, dk, dv = (torch.empty_like(q) for _ in range(3))
-    sz, grid = (lambda name: ch._sizes(q, v, b, name)), (NC, B * H)
+    sz, grid = ch._sizes(q, v, b), (NC, B * H)
+    stack = sz["BM"] < ch.FWD_STACK_BELOW
     bwd_args = (q, k, v, do, a, da, ub, gb, rub, rgb, b, pw, dq, dk, dv, part, T, NC, H, M)
     out = {"fwd": lambda nw, **f: ch._fwd_kernel[grid](q, k, v, ub, gb, b, pw, do, T, NC, H, M, C=C,
-                                                       **{**sz("fwd"), **f}, num_warps=nw),
-           "fwd stacked": lambda nw, **f: ch._fwd_kernel[grid](q, k, v, ub, gb, b, pw, do, T, NC, H, M, C=C,
-                                                               **{**sz("fwd stacked"), **f}, STACK=True,
-                                                               num_warps=nw),
+                                                       **{**sz, **f}, STACK=stack, num_warps=nw),
            "bwd_a": lambda nw, **f: ch._bwd_a_kernel[grid](q, k, v, do, ub, gb, b, pw, a, da, part, T, NC, H, M,
-                                                           C=C, **{**sz("bwd_a"), **f}, num_warps=nw),
-           "bwd_a stacked": lambda nw, **f: ch._bwd_a_kernel[grid](q, k, v, do, ub, gb, b, pw, a, da, part, T, NC, H,
-                                                                   M, C=C, **{**sz("bwd_a stacked"), **f},
-                                                                   STACK=True, num_warps=nw)}
+                                                           C=C, **{**sz, **f}, num_warps=nw)}
     for key, pt in (("bwd_dq", 1), ("bwd_dk", 2), ("bwd_dv", 4)):
-        for stack in (False, True):
-            name = f"{key} stacked" if stack else key
-            out[name] = lambda nw, pt=pt, name=name, stack=stack, **f: ch._bwd_part_kernel[grid](
-                *bwd_args, C=C, **{**sz(name), **f}, PART=pt, STACK=stack, num_warps=nw)
+        out[key] = lambda nw, pt=pt, **f: ch._bwd_part_kernel[grid](*bwd_args, C=C, **{**sz, **f}, PART=pt,
+                                                                   num_warps=nw)
     totals = {"fwd total": lambda: ch.interdomain_fwd(q, k, v, decay, b, chunk_size=C),
               "bwd total": lambda: ch.interdomain_bwd(q, k, v, decay, b, None, None, do, None, None, C)}
     scans = {"scan": lambda: ch.scan(k, b, pw, decay, C),
@@ -256,10 +245,11 @@ def decode_step(B, M):
 def jobs_for(Ts, only_ours):
     jobs = [("interdomain C=64", T, 32, lambda T=T: ours(T, 32)) for T in Ts]
     jobs += [("breakdown", T, 32, lambda T=T: breakdown(T, 32)) for T in (2048, 65536)]
-    flip = {key: not on for key, on in ch.STACK_MODES.items()}
-    other = lambda T: _with_attr(ch, "STACK_MODES", flip, lambda: ours(T, 32))  # noqa: E731
-    jobs += [(f"interdomain C=64 stacked modes {'off' if any(ch.STACK_MODES.values()) else 'on'}", T, 32,
-              lambda T=T: other(T)) for T in Ts]
+    # the previous build: every tile padded to 64 (the plain forward)
+    wide = lambda T: _with_attr(ch, "GPU_MIN_TILE", (64, 64), lambda: ours(T, 32))  # noqa: E731
+    jobs += [("interdomain C=64 64-mode tiles", T, 32, lambda T=T: wide(T)) for T in Ts if T in (2048, 8192)]
+    jobs += [("breakdown 64-mode tiles", 2048, 32,
+              lambda: _with_attr(ch, "GPU_MIN_TILE", (64, 64), lambda: breakdown(2048, 32)))]
     unseg = lambda T: _with_attr(ch, "SCAN_SEGMENT", 0, lambda: ours(T, 32))  # noqa: E731
     jobs += [("interdomain C=64 unsegmented scans", T, 32, lambda T=T: unseg(T)) for T in Ts if T >= 65536]
     jobs += [("interdomain C=64", T, 64, lambda T=T: ours(T, 64)) for T in Ts if T in (2048, 65536)]
@@ -317,8 +307,8 @@ def main():
         try:
             res = fn()
             if name.startswith("breakdown"):
-                print(f"breakdown ms T={T} M={M}:", res, flush=True)
-                extra[f"breakdown ms T={T} M={M}"] = res
+                print(f"{name} ms T={T} M={M}:", res, flush=True)
+                extra[f"{name} ms T={T} M={M}"] = res
                 continue
             rows.append(row(name, T, M, res))
             print(format_table(rows[-1:]), flush=True)

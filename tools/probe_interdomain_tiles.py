@@ -1,12 +1,12 @@
 """Which Interdomain kernels run correctly on this GPU with tiles narrower than 64 (issue #3).
 
-Triton 3.6 on the H200 faulted (illegal address, a wgmma operand read past its shared buffer) in `_fwd_kernel` with
-mode tiles of 16 and 32 and in the dq kernel with 32-wide feature tiles, so `chunk._sizes` pads both to 64 on the
-GPU, which doubles every [C, M] tile at M = 32. This probe launches each chunk.py readout kernel alone with a mode
-tile BM and a feature tile BD of 32 or 64, each in its own process (a fault poisons the CUDA context), and compares
-its outputs with the same launch at the default 64-wide tiles (relative RMS); then, one process at a time (the
-builds are cached by then), times the variants that passed. A kernel that passes and runs faster can take the
-narrower tile (`chunk.GPU_MIN_TILE`). Usage on the device machine: python tools/probe_interdomain_tiles.py
+Triton 3.6 on the H200 builds some narrow-tile variants wrongly, silently or with an illegal address (the plain
+forward at 32-mode tiles, the dq / dk / dv kernels at 32-wide feature tiles), so `chunk.GPU_MIN_TILE` and
+`chunk.FWD_STACK_BELOW` keep the kernels off them. This probe launches each chunk.py readout kernel (the forward in
+both forms) alone with a mode tile BM and a feature tile BD of 32 or 64, each in its own process (a fault poisons
+the CUDA context), and compares its outputs with the same launch at 64-wide tiles (relative RMS); then, one process
+at a time (the builds are cached by then), times the variants that passed. Run it again on a new Triton or GPU
+before changing those settings. Usage on the device machine: python tools/probe_interdomain_tiles.py
 """
 import argparse
 import json
@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-KERNELS = tuple(f"{k}{s}" for k in ("fwd", "bwd_a", "bwd_dq", "bwd_dk", "bwd_dv") for s in ("", " stacked"))
+KERNELS = ("fwd", "fwd stacked", "bwd_a", "bwd_dq", "bwd_dk", "bwd_dv")
 TILES = {"": ((32, 64), (64, 32), (64, 64)), " stacked": ((32, 64), (64, 64))}  # (BM, BD), 64 x 64 the control
 
 
@@ -41,9 +41,10 @@ def launch_all(kernel, bm, bd, timed=False):
     gb, _ = ch.scan(v, b, pw, decay, C)
     a, da = (q.new_zeros(B, T, H, 2, M) for _ in range(2))
     part = q.new_zeros(B, H, NC, 4, M, dtype=torch.float32)
-    sizes = dict(ch._sizes(q, v, b, kernel), BM=bm, BK=bd, BV=bd)
+    wide = dict(ch._sizes(q, v, b), BM=64, BK=64, BV=64)
+    sizes = dict(wide, BM=bm, BK=bd, BV=bd)
     grid = (NC, B * H)
-    ch._bwd_a_kernel[grid](q, k, v, do, ub, gb, b, pw, a, da, part, T, NC, H, M, C=C, **ch._sizes(q, v, b, "bwd_a"))
+    ch._bwd_a_kernel[grid](q, k, v, do, ub, gb, b, pw, a, da, part, T, NC, H, M, C=C, **wide)
     rub, _ = ch.scan(q, b, pw, decay, C, c=da, rev=True)
     rgb, _ = ch.scan(do, b, pw, decay, C, c=a, rev=True)
     if kernel.startswith("fwd"):
@@ -53,13 +54,13 @@ def launch_all(kernel, bm, bd, timed=False):
     elif kernel.startswith("bwd_a"):
         outs = {"a": torch.zeros_like(a), "da": torch.zeros_like(da), "partials": torch.zeros_like(part)}
         fn = lambda: ch._bwd_a_kernel[grid](q, k, v, do, ub, gb, b, pw, *outs.values(), T, NC, H, M, C=C,  # noqa
-                                            **sizes, STACK=kernel == "bwd_a stacked")
+                                            **sizes)
     else:
         outs = {"dq": torch.zeros_like(q), "dk": torch.zeros_like(k), "dv": torch.zeros_like(v),
                 "partials": torch.zeros_like(part)}
         pt = {"bwd_dq": 1, "bwd_dk": 2, "bwd_dv": 4}[kernel.split()[0]]
         fn = lambda: ch._bwd_part_kernel[grid](q, k, v, do, a, da, ub, gb, rub, rgb, b, pw, *outs.values(), T,  # noqa
-                                               NC, H, M, C=C, **sizes, PART=pt, STACK=kernel.endswith("stacked"))
+                                               NC, H, M, C=C, **sizes, PART=pt)
     fn()
     torch.cuda.synchronize()
     if timed:

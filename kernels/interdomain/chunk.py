@@ -13,7 +13,7 @@ is exact in range, by shearing the [C, C] matrix with tl.gather (D[t, n] = A[t, 
   _bwd_a_kernel    a and da per token, plus the intra-chunk parts of d(log lam) and db
   _bwd_part_kernel dq, dk or dv (one launch each), the dk and dv launches with their shares of the state parts of
                    d(log lam) and db
-The readout kernels can take their products over the modes on interleaved [., 2 BM] operands (STACK_MODES).
+With mode tiles narrower than 64 the forward takes its products over the modes on interleaved [., 2 BM] operands.
 """
 
 import os
@@ -470,6 +470,25 @@ def _fwd_kernel(q_ptr, k_ptr, v_ptr, ub_ptr, gb_ptr, b_ptr, pw_ptr, o_ptr, T, NC
 
 
 @triton.jit
+def _b_modes2(b_ptr, i_h, M, BM: tl.constexpr):
+    """Mode and part (0 real, 1 imaginary) of each of 2 BM interleaved columns, the mode mask, and b (re, im) per
+    column."""
+    o2 = tl.arange(0, 2 * BM)
+    m2, p2 = o2 // 2, o2 % 2
+    mk2 = m2 < M
+    br2 = tl.load(b_ptr + (i_h * M + m2) * 2, mask=mk2, other=0.0)
+    bi2 = tl.load(b_ptr + (i_h * M + m2) * 2 + 1, mask=mk2, other=0.0)
+    return m2, p2, mk2, br2, bi2
+
+
+@triton.jit
+def _bpow2(pw, n, m2, p2, br2, bi2, mk, M):
+    """b lam^n with real and imaginary parts interleaved along the (mode, part) axis; all arguments broadcast."""
+    lr, li = _pow(pw, n, m2, mk, M)
+    return tl.where(p2 == 0, br2 * lr - bi2 * li, br2 * li + bi2 * lr)
+
+
+@triton.jit
 def _fwd_o_stacked(v_ptr, o_ptr, gb, b_ptr, pw, ar, ai, rows, ok, oc, om, mm, i_h, M, V: tl.constexpr,
                    C: tl.constexpr, BM: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr):
     """o = W V + Re((a conj lam^(j+1)) conj Gamma_c) with the products over the modes on interleaved [., 2 BM]
@@ -495,17 +514,15 @@ def _fwd_o_stacked(v_ptr, o_ptr, gb, b_ptr, pw, ar, ai, rows, ok, oc, om, mm, i_
 @triton.jit
 def _bwd_a_kernel(q_ptr, k_ptr, v_ptr, do_ptr, ub_ptr, gb_ptr, b_ptr, pw_ptr, a_ptr, da_ptr, part_ptr, T, NC, H, M,
                   K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
-                  BV: tl.constexpr, PREC: tl.constexpr, STACK: tl.constexpr = False):
+                  BV: tl.constexpr, PREC: tl.constexpr):
     ic, i_bh, i_h, oc, ok, rows, om, mm, pw, br, bi = _chunk_program(b_ptr, pw_ptr, T, H, M, C, BM)
     DT = q_ptr.dtype.element_ty
     br = br[None, :]
     bi = bi[None, :]
     ub = ub_ptr + (i_bh * NC + ic) * 2 * M * K
     gb = gb_ptr + (i_bh * NC + ic) * 2 * M * V
-    ar, ai, par, pai, shq = _readout_a(q_ptr, k_ptr, ub, pw, br, bi, rows, ok, oc, om, mm, M, K, C, BK, BM, PREC,
-                                       STACK)
-    gr, gi, pgr, pgi, shd = _readout_a(do_ptr, v_ptr, gb, pw, br, bi, rows, ok, oc, om, mm, M, V, C, BV, BM, PREC,
-                                       STACK)
+    ar, ai, par, pai, shq = _readout_a(q_ptr, k_ptr, ub, pw, br, bi, rows, ok, oc, om, mm, M, K, C, BK, BM, PREC)
+    gr, gi, pgr, pgi, shd = _readout_a(do_ptr, v_ptr, gb, pw, br, bi, rows, ok, oc, om, mm, M, V, C, BV, BM, PREC)
     out = rows[:, None] * 2 * M + om[None, :]
     mo = ok[:, None] & mm[None, :]
     tl.store(a_ptr + out, ar.to(a_ptr.dtype.element_ty), mask=mo)
@@ -524,13 +541,8 @@ def _bwd_a_kernel(q_ptr, k_ptr, v_ptr, do_ptr, ub_ptr, gb_ptr, b_ptr, pw_ptr, a_
     # product: bwd_a 2.56 against 3.66 ms on the H200 (interdomain-sweep-2026-11-30.md), spills 310 against 488 B
     sh = tl.trans(shq)
     shg = tl.trans(shd)
-    if STACK:
-        c2 = tl.dot(sh, _join2(gr, gi, C, BM).to(DT), input_precision=PREC)
-        c2 += tl.dot(shg, _join2(ar, ai, C, BM).to(DT), input_precision=PREC)
-        cr, ci = _split2(c2, C, BM)
-    else:
-        cr = tl.dot(sh, gr.to(DT), input_precision=PREC) + tl.dot(shg, ar.to(DT), input_precision=PREC)
-        ci = tl.dot(sh, gi.to(DT), input_precision=PREC) + tl.dot(shg, ai.to(DT), input_precision=PREC)
+    cr = tl.dot(sh, gr.to(DT), input_precision=PREC) + tl.dot(shg, ar.to(DT), input_precision=PREC)
+    ci = tl.dot(sh, gi.to(DT), input_precision=PREC) + tl.dot(shg, ai.to(DT), input_precision=PREC)
     nr, ni = _pow(pw, oc[:, None], om[None, :], mm[None, :], M)
     dbr = tl.sum(nr * cr + ni * ci, 0)
     dbi = tl.sum(nr * ci - ni * cr, 0)
@@ -611,90 +623,10 @@ def _grad_rev(out_ptr, x_ptr, z_ptr, wt, yr, yi, sb, ub, rows, ok, om, mm, M, D:
 
 
 @triton.jit
-def _b_modes2(b_ptr, i_h, M, BM: tl.constexpr):
-    """Mode and part (0 real, 1 imaginary) of each of 2 BM interleaved columns, the mode mask, and b (re, im) per
-    column."""
-    o2 = tl.arange(0, 2 * BM)
-    m2, p2 = o2 // 2, o2 % 2
-    mk2 = m2 < M
-    br2 = tl.load(b_ptr + (i_h * M + m2) * 2, mask=mk2, other=0.0)
-    bi2 = tl.load(b_ptr + (i_h * M + m2) * 2 + 1, mask=mk2, other=0.0)
-    return m2, p2, mk2, br2, bi2
-
-
-@triton.jit
-def _bpow2(pw, n, m2, p2, br2, bi2, mk, M):
-    """b lam^n with real and imaginary parts interleaved along the (mode, part) axis; all arguments broadcast."""
-    lr, li = _pow(pw, n, m2, mk, M)
-    return tl.where(p2 == 0, br2 * lr - bi2 * li, br2 * li + bi2 * lr)
-
-
-@triton.jit
-def _coef2(p_ptr, rows, ok, m2, p2, M, TRANS: tl.constexpr):
-    """Per-token complex coefficients [B, T, H, 2, M] as interleaved [C, 2 BM] (TRANS: [2 BM, C]) fp32 tiles."""
-    col = p2 * M + m2
-    if TRANS:
-        return tl.load(p_ptr + rows[None, :] * 2 * M + col[:, None], mask=(m2 < M)[:, None] & ok[None, :],
-                       other=0.0).to(tl.float32)
-    return tl.load(p_ptr + rows[:, None] * 2 * M + col[None, :], mask=ok[:, None] & (m2 < M)[None, :],
-                   other=0.0).to(tl.float32)
-
-
-@triton.jit
-def _grad_dq2(dq_ptr, k_ptr, wd, x2, ub, rows, ok, m2, p2, M, D: tl.constexpr, BD: tl.constexpr,
-              PREC: tl.constexpr):
-    """_grad_dq with the inter-chunk coefficients interleaved [C, 2 BM] against U_c read as [2 BM, BD]."""
-    DT = k_ptr.dtype.element_ty
-    for d0 in tl.static_range(0, D, BD):
-        od = d0 + tl.arange(0, BD)
-        md = od < D
-        mrow = ok[:, None] & md[None, :]
-        u2 = tl.load(ub + (p2 * M + m2)[:, None] * D + od[None, :], mask=(m2 < M)[:, None] & md[None, :],
-                     other=0.0).to(DT)
-        acc = tl.dot(wd, tl.load(k_ptr + rows[:, None] * D + od[None, :], mask=mrow, other=0.0).to(DT),
-                     input_precision=PREC)
-        acc += tl.dot(x2, u2, input_precision=PREC)
-        tl.store(dq_ptr + rows[:, None] * D + od[None, :], acc.to(dq_ptr.dtype.element_ty), mask=mrow)
-
-
-@triton.jit
-def _grad_rev2(out_ptr, x_ptr, z_ptr, wt, y2, sb, ub, rows, ok, om, mm, m2, p2, M, D: tl.constexpr,
-               C: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr, PREC: tl.constexpr):
-    """_grad_rev with y interleaved [C, 2 BM] and the products against S taken as [2 BM, BD] / [BD, 2 BM]."""
-    DT = x_ptr.dtype.element_ty
-    zs2 = tl.zeros([C, 2 * BM], dtype=tl.float32)
-    sur = tl.zeros([BM], dtype=tl.float32)
-    sui = tl.zeros([BM], dtype=tl.float32)
-    col = p2 * M + m2
-    for d0 in tl.static_range(0, D, BD):
-        od = d0 + tl.arange(0, BD)
-        md = od < D
-        mrow = ok[:, None] & md[None, :]
-        s2 = tl.load(sb + col[:, None] * D + od[None, :], mask=(m2 < M)[:, None] & md[None, :], other=0.0).to(DT)
-        acc = tl.dot(wt, tl.load(x_ptr + rows[:, None] * D + od[None, :], mask=mrow, other=0.0).to(DT),
-                     input_precision=PREC)
-        acc += tl.dot(y2, s2, input_precision=PREC)
-        tl.store(out_ptr + rows[:, None] * D + od[None, :], acc.to(out_ptr.dtype.element_ty), mask=mrow)
-        zt = tl.load(z_ptr + rows[:, None] * D + od[None, :], mask=mrow, other=0.0).to(DT)
-        s2t = tl.load(sb + col[None, :] * D + od[:, None], mask=md[:, None] & (m2 < M)[None, :], other=0.0).to(DT)
-        zs2 += tl.dot(zt, s2t, input_precision=PREC)
-        ms = mm[:, None] & md[None, :]
-        st = om[:, None] * D + od[None, :]
-        s_r = tl.load(sb + st, mask=ms, other=0.0).to(tl.float32)
-        s_i = tl.load(sb + M * D + st, mask=ms, other=0.0).to(tl.float32)
-        u_r = tl.load(ub + st, mask=ms, other=0.0).to(tl.float32)
-        u_i = tl.load(ub + M * D + st, mask=ms, other=0.0).to(tl.float32)
-        sur += tl.sum(s_r * u_r + s_i * u_i, 1)
-        sui += tl.sum(s_i * u_r - s_r * u_i, 1)
-    zsr, zsi = _split2(zs2, C, BM)
-    return zsr, zsi, sur, sui
-
-
-@triton.jit
 def _bwd_part_kernel(q_ptr, k_ptr, v_ptr, do_ptr, a_ptr, da_ptr, ub_ptr, gb_ptr, rub_ptr, rgb_ptr, b_ptr, pw_ptr,
                      dq_ptr, dk_ptr, dv_ptr, part_ptr, T, NC, H, M, K: tl.constexpr, V: tl.constexpr,
                      C: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
-                     PART: tl.constexpr, STACK: tl.constexpr = False):
+                     PART: tl.constexpr):
     """One gradient per launch: dq (PART 1), dk (2) or dv (4); the dk and dv launches each write their (additive)
     share of the state parameter-gradient partials. One kernel for all three held every tile at once and spilled:
     the three launches took 8.3 ms of backward against 10.5 ms (H200, T = 2K, M = 32,
@@ -717,11 +649,7 @@ def _bwd_part_kernel(q_ptr, k_ptr, v_ptr, do_ptr, a_ptr, da_ptr, ub_ptr, gb_ptr,
     cs = (i_bh * NC + ic) * 2 * M
     ub = ub_ptr + cs * K
     gb = gb_ptr + cs * V
-    if STACK:
-        _bwd_part_stacked(q_ptr, k_ptr, v_ptr, do_ptr, a_ptr, da_ptr, ub, gb, rub_ptr + cs * K, rgb_ptr + cs * V,
-                          b_ptr, br, bi, pw, dq_ptr, dk_ptr, dv_ptr, part_ptr, rows, ok, oc, om, mm, L, i_h, i_bh, ic,
-                          NC, M, K, V, C, BM, BK, BV, PREC, PART)
-    elif PART == 1:
+    if PART == 1:
         gr, gi, _, _ = _load_coef(da_ptr, rows, ok, oc, om, mm, M)
         # (b lam^n)^T as [BM, C]
         ptr_, pti = _pow(pw, oc[None, :], om[:, None], mm[:, None], M)
@@ -747,40 +675,6 @@ def _bwd_part_kernel(q_ptr, k_ptr, v_ptr, do_ptr, a_ptr, da_ptr, ub_ptr, gb_ptr,
             wt = _w_matrix_t(pr_, pi_, ctr, cti, oc, DT, PREC).to(DT)
             zsr, zsi, sur, sui = _grad_rev(dv_ptr, do_ptr, v_ptr, wt, yr.to(DT), yi.to(DT), rgb_ptr + cs * V, gb,
                                            rows, ok, om, mm, M, V, C, BV, BM, PREC)
-        _state_partials(part_ptr, zsr, zsi, sur, sui, er, ei, br, bi, pw, L, oc, om, mm, i_bh, NC, ic, M)
-
-
-@triton.jit
-def _bwd_part_stacked(q_ptr, k_ptr, v_ptr, do_ptr, a_ptr, da_ptr, ub, gb, rub, rgb, b_ptr, br, bi, pw, dq_ptr, dk_ptr,
-                      dv_ptr, part_ptr, rows, ok, oc, om, mm, L, i_h, i_bh, ic, NC, M, K: tl.constexpr, V: tl.constexpr,
-                      C: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
-                      PART: tl.constexpr):
-    """_bwd_part_kernel's body with every product over the modes taken on interleaved [., 2 BM] operands (no
-    product is BM wide, so BM = M = 32 builds; STACK)."""
-    DT = q_ptr.dtype.element_ty
-    m2, p2, mk2, br2, bi2 = _b_modes2(b_ptr, i_h, M, BM)
-    if PART == 1:
-        g2 = _coef2(da_ptr, rows, ok, m2, p2, M, False)
-        pt2 = _bpow2(pw, oc[None, :], m2[:, None], p2[:, None], br2[:, None], bi2[:, None], mk2[:, None], M)
-        wd = _shear_lower(tl.dot(g2.to(DT), pt2.to(DT), input_precision=PREC), oc).to(DT)
-        gr, gi = _split2(g2, C, BM)
-        sr, si = _pow(pw, oc[:, None] + 1, om[None, :], mm[None, :], M)
-        xr, xi = _cmul(gr, gi, sr, -si)
-        _grad_dq2(dq_ptr, k_ptr, wd, _join2(xr, xi, C, BM).to(DT), ub, rows, ok, m2, p2, M, K, BK, PREC)
-    else:
-        pp2 = _bpow2(pw, oc[:, None], m2[None, :], p2[None, :], br2[None, :], bi2[None, :], mk2[None, :], M)
-        e = tl.maximum(L - 1 - oc, 0)[:, None]
-        y2 = _bpow2(pw, e, m2[None, :], p2[None, :], br2[None, :], bi2[None, :], ok[:, None] & mk2[None, :], M)
-        er, ei = _pow(pw, e, om[None, :], ok[:, None] & mm[None, :], M)
-        # dk takes da (W_da^T q), dv takes a (W^T dO)
-        ct2 = _coef2(da_ptr if PART == 2 else a_ptr, rows, ok, m2, p2, M, True)
-        wt = _shear_upper(tl.dot(pp2.to(DT), ct2.to(DT), input_precision=PREC), oc).to(DT)
-        if PART == 2:
-            zsr, zsi, sur, sui = _grad_rev2(dk_ptr, q_ptr, k_ptr, wt, y2.to(DT), rub, ub, rows, ok, om, mm, m2, p2,
-                                            M, K, C, BK, BM, PREC)
-        else:
-            zsr, zsi, sur, sui = _grad_rev2(dv_ptr, do_ptr, v_ptr, wt, y2.to(DT), rgb, gb, rows, ok, om, mm, m2, p2,
-                                            M, V, C, BV, BM, PREC)
         _state_partials(part_ptr, zsr, zsi, sur, sui, er, ei, br, bi, pw, L, oc, om, mm, i_bh, NC, ic, M)
 
 
@@ -818,17 +712,19 @@ NUM_WARPS = {"scan": 4, "fwd": 4, "bwd_a": 4, "bwd_dq": 4, "bwd_dk": 4, "bwd_dv"
 # per-token reverse 0.315 / 1.437 plain, 0.260 / 0.931 hoisted; constant-b forward 0.239 / 0.686 plain, 0.194 /
 # 0.838 hoisted: hoisting lost only on 1024-chunk loops, which segmented scans (below) no longer run.
 SCAN_HOIST = {"const": True, "per_token": True}
-# Smallest (mode, feature) tiles per readout kernel on the GPU. Triton 3.6 on sm_90 builds _fwd_kernel with mode
-# tiles below 64 into wgmma reads past their shared buffer (compute-sanitizer: invalid __shared__ read, illegal
-# address at M = 16, 32), and the dq kernel likewise with 32-wide feature tiles (bench --sweep); 64-wide tiles run
-# correctly, so all are padded (masked) to 64 until tools/probe_interdomain_tiles.py shows a kernel safe without.
-GPU_MIN_TILE = {**{k: (64, 64) for k in ("fwd", "bwd_a", "bwd_dq", "bwd_dk", "bwd_dv")},
-                **{f"{k} stacked": (32, 64) for k in ("fwd", "bwd_a", "bwd_dq", "bwd_dk", "bwd_dv")}}
-# readout kernels with their products over the modes taken on operands of 2 BM interleaved real / imaginary
-# columns (_readout_a, _fwd_o_stacked, _bwd_part_stacked), so that no product is BM wide and M = 32 can take
-# 32-mode tiles (half the registers of the padded [C, M] tiles); correct in the interpreter, off until the GPU tests
-# and tools/probe_interdomain_tiles.py have run them on an H200 (#3)
-STACK_MODES = {"fwd": False, "bwd_a": False, "bwd_dq": False, "bwd_dk": False, "bwd_dv": False}
+# Smallest (mode, feature) tiles of the readout kernels on the GPU. Triton 3.6 on sm_90 builds the dq, dk and dv
+# kernels with 32-wide feature tiles wrongly (tools/results/interdomain-tile-probe-2026-11-30.md: relative RMS
+# 1.2-4.7 against 64-wide tiles; illegal addresses in earlier builds), so features pad (masked) to 64. 32-mode tiles
+# run correctly in every kernel but the plain forward (relative RMS 3.6; an illegal address on Triton 3.5.1) and
+# save registers at M = 32: bwd_a 0.023 against 0.032 ms, dk 0.016 / 0.022, dv 0.016 / 0.022, dq 0.013 / 0.013 in
+# the probe; full-size numbers in kernels/interdomain/README.md.
+GPU_MIN_TILE = (32, 64)
+# The forward with a mode tile narrower than this takes its products over the modes on operands of 2 BM interleaved
+# real / imaginary columns (_readout_a STACK, _fwd_o_stacked), which builds correctly at BM = 32 and ran faster than
+# the plain forward padded to 64 modes (0.017 against 0.019 ms); at 64 modes the plain one is faster (0.019 against
+# 0.021 ms stacked). Stacked bwd_a / dq ran no faster than plain 32-mode tiles (0.025 / 0.012 ms) and the stacked
+# dk / dv did not build on the GPU, so the backward has no stacked form.
+FWD_STACK_BELOW = 64
 # scans over fewer than SCAN_SEGMENT_BELOW (b, h, state tile) rows run in segments of SCAN_SEGMENT chunks (0: never)
 SCAN_SEGMENT, SCAN_SEGMENT_BELOW = 32, 512
 
@@ -884,13 +780,9 @@ def scan(z, b, pw, decay, C, c=None, x0=None, rev=False):
     return xb, last
 
 
-def _tile_key(kernel):
-    return f"{kernel} stacked" if STACK_MODES.get(kernel) else kernel
-
-
-def _sizes(q, v, b, kernel):
-    """Mode and feature tiles of one readout kernel (a key of GPU_MIN_TILE) for these shapes."""
-    lo_m, lo_d = (16, 16) if _interpret() else GPU_MIN_TILE[kernel]
+def _sizes(q, v, b):
+    """Mode and feature tiles of the readout kernels for these shapes."""
+    lo_m, lo_d = (16, 16) if _interpret() else GPU_MIN_TILE
     return dict(K=q.shape[-1], V=v.shape[-1], BM=_next_pow2(b.shape[1], lo_m),
                 BK=min(_next_pow2(q.shape[-1], lo_d), 64), BV=min(_next_pow2(v.shape[-1], lo_d), 64), PREC=_prec(q))
 
@@ -905,8 +797,9 @@ def interdomain_fwd(q, k, v, decay, b, u0=None, g0=None, chunk_size=64):
     ub, uf = scan(k, b, pw, decay, C, x0=u0)
     gb, gf = scan(v, b, pw, decay, C, x0=g0)
     o = torch.empty_like(v)
-    _fwd_kernel[(NC, B * H)](q, k, v, ub, gb, b, pw, o, T, NC, H, M, C=C, **_sizes(q, v, b, _tile_key("fwd")),
-                             STACK=STACK_MODES["fwd"], num_warps=NUM_WARPS["fwd"])
+    sizes = _sizes(q, v, b)
+    _fwd_kernel[(NC, B * H)](q, k, v, ub, gb, b, pw, o, T, NC, H, M, C=C, **sizes,
+                             STACK=sizes["BM"] < FWD_STACK_BELOW, num_warps=NUM_WARPS["fwd"])
     return o, uf, gf
 
 
@@ -922,8 +815,8 @@ def interdomain_bwd(q, k, v, decay, b, u0, g0, do, duf, dgf, chunk_size=64):
     a = q.new_empty(B, T, H, 2, M, dtype=cdt)
     da = q.new_empty(B, T, H, 2, M, dtype=cdt)
     part_a = q.new_empty(B, H, NC, 4, M, dtype=torch.float32)
-    _bwd_a_kernel[(NC, B * H)](q, k, v, do, ub, gb, b, pw, a, da, part_a, T, NC, H, M, C=C,
-                               STACK=STACK_MODES["bwd_a"], **_sizes(q, v, b, _tile_key("bwd_a")),
+    sizes = _sizes(q, v, b)
+    _bwd_a_kernel[(NC, B * H)](q, k, v, do, ub, gb, b, pw, a, da, part_a, T, NC, H, M, C=C, **sizes,
                                num_warps=NUM_WARPS["bwd_a"])
     rub, du0 = scan(q, b, pw, decay, C, c=da, x0=duf, rev=True)
     rgb, dg0 = scan(do, b, pw, decay, C, c=a, x0=dgf, rev=True)
@@ -931,8 +824,7 @@ def interdomain_bwd(q, k, v, decay, b, u0, g0, do, duf, dgf, chunk_size=64):
     part_m = q.new_empty(2, B, H, NC, 4, M, dtype=torch.float32)  # the dk and dv shares; dq writes none
     for part, slot, key in ((1, 0, "bwd_dq"), (2, 0, "bwd_dk"), (4, 1, "bwd_dv")):
         _bwd_part_kernel[(NC, B * H)](q, k, v, do, a, da, ub, gb, rub, rgb, b, pw, dq, dk, dv, part_m[slot], T, NC,
-                                      H, M, C=C, **_sizes(q, v, b, _tile_key(key)), PART=part,
-                                      STACK=STACK_MODES[key], num_warps=NUM_WARPS[key])
+                                      H, M, C=C, **sizes, PART=part, num_warps=NUM_WARPS[key])
     sums = (part_a.double() + part_m.double().sum(0)).sum((0, 2))  # [H, 4, M]
     ddecay = torch.stack((sums[:, 2], sums[:, 3]), -1).float()
     dbb = torch.stack((sums[:, 0], sums[:, 1]), -1).float()

@@ -160,17 +160,19 @@ def test_segmented_scans_match_naive(nan_empty, segmented, T, C, init, normalize
     compare(inputs, FP32_TOL, chunk_size=C, normalize=normalize)
 
 
-@pytest.fixture
-def stacked(monkeypatch):
+@pytest.fixture(params=["plain", "stacked"])
+def fwd_form(monkeypatch, request):
+    """The forward kernel in one form at every mode tile (chunk.FWD_STACK_BELOW otherwise picks by tile width)."""
     from kernels.interdomain import chunk
 
-    monkeypatch.setattr(chunk, "STACK_MODES", {key: True for key in chunk.STACK_MODES})
+    monkeypatch.setattr(chunk, "FWD_STACK_BELOW", 1 << 20 if request.param == "stacked" else 0)
+    return request.param
 
 
-@pytest.mark.parametrize("T,M,normalize", [(100, 8, True), (300, 32, False), (64, 24, False)])
-def test_stacked_modes_match_naive(nan_empty, stacked, T, M, normalize):
-    """The readout kernels with real and imaginary parts stacked into one operand (chunk.STACK_MODES): every
-    gradient, also with padded modes (M = 24 in a 32-mode tile)."""
+@pytest.mark.parametrize("T,M,normalize", [(100, 8, True), (300, 32, False), (64, 24, False), (70, 64, False)])
+def test_fwd_forms_match_naive(nan_empty, fwd_form, T, M, normalize):
+    """The forward with its mode products plain or on stacked real / imaginary operands, also with padded modes
+    (M = 24 in a 32-mode tile)."""
     compare(make_inputs(1, T, 2, 16, 24, M, normalize=normalize), FP32_TOL, normalize=normalize)
 
 
@@ -237,9 +239,12 @@ def test_hoisted_scan_gpu_bf16(nan_empty, scan_hoist, T, M):
 
 @pytest.mark.gpu
 @requires_gpu
-@pytest.mark.parametrize("T,M", [(300, 32), (1000, 64)])
-def test_stacked_modes_gpu_bf16(nan_empty, stacked, T, M):
-    compare(make_inputs(2, T, 3, 128, 128, M, dtype=torch.bfloat16), BF16_TOL, BF16_GRAD_TOL)
+def test_stacked_forward_at_64_modes_gpu_bf16(nan_empty, monkeypatch):
+    """The stacked forward at a 64-mode tile (by default it runs at 32 and the plain one at 64: FWD_STACK_BELOW)."""
+    from kernels.interdomain import chunk
+
+    monkeypatch.setattr(chunk, "FWD_STACK_BELOW", 128)
+    compare(make_inputs(2, 1000, 3, 128, 128, 64, dtype=torch.bfloat16), BF16_TOL, BF16_GRAD_TOL)
 
 
 @pytest.mark.gpu
