@@ -107,13 +107,13 @@ def _inputs_and_fwd(T, M, C=64):
     decay = torch.stack((-torch.rand(H, M, device="cuda") * 0.2, torch.rand(H, M, device="cuda")), -1)
     decay.requires_grad_()
     b = torch.randn(H, M, 2, device="cuda").requires_grad_()
-    return lambda: interdomain_attention(q, k, v, decay, b, chunk_size=C)[0]
+    return (lambda: interdomain_attention(q, k, v, decay, b, chunk_size=C)[0]), [q, k, v, decay, b]
 
 
-def ours(T, M, C=64):
-    fwd = _inputs_and_fwd(T, M, C)
+def ours(T, M, C=64, accumulate=False):
+    fwd, leaves = _inputs_and_fwd(T, M, C)
     do = torch.randn(TOKENS // T, T, H, D, device="cuda", dtype=torch.bfloat16)
-    return _measure(fwd, lambda: torch.autograd.backward(fwd(), do))
+    return _measure(fwd, lambda: torch.autograd.backward(fwd(), do), None if accumulate else leaves)
 
 
 def _launches(T, M, C=64):
@@ -173,6 +173,30 @@ def sweep(T=2048, M=32):
     return rows
 
 
+def scan_sweep(M=32, C=64, Ts=(4096, 8192, 16384, 65536)):
+    """Milliseconds of one const-b forward scan and one per-token reverse scan against T, segment length (0:
+    unsegmented) and state tile, segmentation forced on whatever the row count."""
+    rows = []
+    for T in Ts:
+        B = TOKENS // T
+        z = torch.rand(B, T, H, D, device="cuda").bfloat16()
+        c = torch.rand(B, T, H, 2, M, device="cuda").bfloat16()
+        decay = torch.stack((-torch.rand(H, M, device="cuda") * 0.2, torch.rand(H, M, device="cuda")), -1)
+        b = torch.randn(H, M, 2, device="cuda")
+        pw = ch.powers(decay, C)
+        for seg in (0, 8, 16, 32, 64):
+            for tile in ((32, 64), (32, 32), (16, 64)):
+                def go(fn):
+                    return _with_attr(ch, "SCAN_TILE", tile, lambda: _with_attr(
+                        ch, "SCAN_SEGMENT", seg, lambda: _with_attr(ch, "SCAN_SEGMENT_BELOW", 1 << 30, fn)))
+                const = go(lambda: time_ms(lambda: ch.scan(z, b, pw, decay, C)))
+                rev = go(lambda: time_ms(lambda: ch.scan(z, b, pw, decay, C, c=c, rev=True)))
+                rows.append({"T": T, "seg": seg, "tile": f"{tile[0]}x{tile[1]}", "const_ms": round(const, 3),
+                             "rev_ms": round(rev, 3)})
+    print(format_table(rows), flush=True)
+    return rows
+
+
 def _with_attr(obj, name, value, fn):
     saved = getattr(obj, name)
     setattr(obj, name, value)
@@ -182,10 +206,13 @@ def _with_attr(obj, name, value, fn):
         setattr(obj, name, saved)
 
 
-def _measure(fwd, fb):
+def _measure(fwd, fb, leaves=None):
+    """Forward and forward+backward milliseconds and the peak memory. The inputs' .grad is reset before each timed
+    backward: in a model q, k, v come out of projections and nothing accumulates into them, while adding into the
+    leaves' .grad costs three 256 MiB read-add-writes, for SDPA's as for ours (the "grads accumulated" row)."""
     with torch.no_grad():
         t_f = time_ms(fwd)
-    t_fb = time_ms(fb) if fb is not None else float("nan")
+    t_fb = time_ms(fb, grad_to_none=leaves) if fb is not None else float("nan")
     mem = peak_memory_mib(fb if fb is not None else fwd)
     return t_f, t_fb, mem
 
@@ -202,7 +229,7 @@ def sdpa(T, backend):
             return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
     do = torch.randn(B, H, T, D, device="cuda", dtype=torch.bfloat16)
-    return _measure(fwd, lambda: torch.autograd.backward(fwd(), do))
+    return _measure(fwd, lambda: torch.autograd.backward(fwd(), do), [q, k, v])
 
 
 def fla_gdn(T):
@@ -248,6 +275,7 @@ def jobs_for(Ts, only_ours):
     # the previous build: every tile padded to 64 (the plain forward)
     wide = lambda T: _with_attr(ch, "GPU_MIN_TILE", (64, 64), lambda: ours(T, 32))  # noqa: E731
     jobs += [("interdomain C=64 64-mode tiles", T, 32, lambda T=T: wide(T)) for T in Ts if T in (2048, 8192)]
+    jobs += [("interdomain C=64 grads accumulated", 2048, 32, lambda: ours(2048, 32, accumulate=True))]
     jobs += [("breakdown 64-mode tiles", 2048, 32,
               lambda: _with_attr(ch, "GPU_MIN_TILE", (64, 64), lambda: breakdown(2048, 32)))]
     unseg = lambda T: _with_attr(ch, "SCAN_SEGMENT", 0, lambda: ours(T, 32))  # noqa: E731
@@ -282,16 +310,20 @@ def main():
     ap.add_argument("--budget-s", type=float, default=170.0, help="skip the remaining rows after this many seconds")
     ap.add_argument("--only-ours", action="store_true", help="skip the SDPA and fla rows")
     ap.add_argument("--compile-report", action="store_true", help="offline sm_90 resources of chunk.py (no GPU)")
+    ap.add_argument("--scan-sweep", action="store_true", help="scan time against segment length and state tile")
     ap.add_argument("--sweep", action="store_true", help="each launch with the GPU build's registers and spills")
     ap.add_argument("--once", action="store_true", help="one fwd+bwd at T = 2K, M = 32 (profile_interdomain.sh)")
     args = ap.parse_args()
     if args.once:
-        torch.autograd.backward(_inputs_and_fwd(2048, 32)(), torch.ones(TOKENS // 2048, 2048, H, D, device="cuda",
+        torch.autograd.backward(_inputs_and_fwd(2048, 32)[0](), torch.ones(TOKENS // 2048, 2048, H, D, device="cuda",
                                                                          dtype=torch.bfloat16))
         torch.cuda.synchronize()
         return
     if args.compile_report:
         compile_report()
+        return
+    if args.scan_sweep:
+        print(save_results("interdomain-scan-sweep", scan_sweep(), {"shape": f"B*T={TOKENS}, H={H}, D={D}, M=32"}))
         return
     if args.sweep:
         shape = {"shape": f"B*T={TOKENS}, H={H}, K=V={D}, M=32, bf16"}

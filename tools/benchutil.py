@@ -25,11 +25,13 @@ def gpu_name() -> str:
     return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
 
 
-def time_ms(fn, warmup_ms: float = 50, rep_ms: float = 200) -> float:
-    """Median milliseconds of fn() measured with CUDA events (triton.testing.do_bench)."""
+def time_ms(fn, warmup_ms: float = 50, rep_ms: float = 200, grad_to_none=None) -> float:
+    """Median milliseconds of fn() measured with CUDA events (triton.testing.do_bench). grad_to_none: leaf tensors
+    whose .grad is reset before each (untimed), so that a backward is timed without accumulating into .grad."""
     import triton.testing
 
-    return float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
+    return float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, grad_to_none=grad_to_none,
+                                         return_mode="median"))
 
 
 def peak_memory_mib(fn) -> float:

@@ -727,6 +727,8 @@ GPU_MIN_TILE = (32, 64)
 FWD_STACK_BELOW = 64
 # scans over fewer than SCAN_SEGMENT_BELOW (b, h, state tile) rows run in segments of SCAN_SEGMENT chunks (0: never)
 SCAN_SEGMENT, SCAN_SEGMENT_BELOW = 32, 512
+# a scan's (mode, feature) state tile per program
+SCAN_TILE = (32, 64)
 
 
 def powers(decay: torch.Tensor, C: int) -> torch.Tensor:
@@ -749,7 +751,7 @@ def scan(z, b, pw, decay, C, c=None, x0=None, rev=False):
     (no stores), _carry_kernel carries them across segments, and a second pass stores the boundaries."""
     B, T, H, D = z.shape
     M, NC = b.shape[1], triton.cdiv(T, C)
-    BM, BD = min(_next_pow2(M), 32), min(_next_pow2(D), 64)
+    BM, BD = min(_next_pow2(M), SCAN_TILE[0]), min(_next_pow2(D), SCAN_TILE[1])
     rows = B * H * triton.cdiv(D, BD) * triton.cdiv(M, BM)
     seg = NC if rows >= SCAN_SEGMENT_BELOW or SCAN_SEGMENT == 0 else min(SCAN_SEGMENT, NC)
     if seg == NC and rows < 264:
