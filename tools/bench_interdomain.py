@@ -123,12 +123,12 @@ def _launches(T, M, C=64):
     decay = torch.stack((-torch.rand(H, M, device="cuda") * 0.2, torch.rand(H, M, device="cuda")), -1)
     b = torch.randn(H, M, 2, device="cuda")
     pw = ch.powers(decay, C)
-    ub, _ = ch.scan(k, b, pw, decay, C)
-    gb, _ = ch.scan(v, b, pw, decay, C)
+    ub, _, _ = ch.scan(k, b, pw, decay, C)
+    gb, _, _ = ch.scan(v, b, pw, decay, C)
     a, da = (q.new_empty(B, T, H, 2, M) for _ in range(2))
     part = q.new_empty(B, H, NC, 4, M, dtype=torch.float32)
-    rub, _ = ch.scan(q, b, pw, decay, C, c=da, rev=True)
-    rgb, _ = ch.scan(do, b, pw, decay, C, c=a, rev=True)
+    rub, _, _ = ch.scan(q, b, pw, decay, C, c=da, rev=True)
+    rgb, _, _ = ch.scan(do, b, pw, decay, C, c=a, rev=True)
     dq, dk, dv = (torch.empty_like(q) for _ in range(3))
     sz, grid = ch._sizes(q, v, b), (NC, B * H)
     stack = sz["BM"] < ch.FWD_STACK_BELOW
@@ -140,9 +140,12 @@ def _launches(T, M, C=64):
     for key, pt in (("bwd_dq", 1), ("bwd_dk", 2), ("bwd_dv", 4)):
         out[key] = lambda nw, pt=pt, **f: ch._bwd_part_kernel[grid](*bwd_args, C=C, **{**sz, **f}, PART=pt,
                                                                    num_warps=nw)
+    fwd_starts = ch.interdomain_fwd(q, k, v, decay, b, chunk_size=C)[3]
     totals = {"fwd total": lambda: ch.interdomain_fwd(q, k, v, decay, b, chunk_size=C),
-              "bwd total": lambda: ch.interdomain_bwd(q, k, v, decay, b, None, None, do, None, None, C)}
+              "bwd total": lambda: ch.interdomain_bwd(q, k, v, decay, b, None, None, do, None, None, C, fwd_starts)}
+    starts = ch.scan(k, b, pw, decay, C)[2]
     scans = {"scan": lambda: ch.scan(k, b, pw, decay, C),
+             "scan from starts": lambda: ch.scan(k, b, pw, decay, C, starts=starts),
              "scan rev per-token": lambda: ch.scan(q, b, pw, decay, C, c=da, rev=True)}
     return out, scans, totals
 
@@ -154,6 +157,8 @@ def breakdown(T, M, C=64):
     out = {name: time_ms(lambda fn=fn, name=name: fn(ch.NUM_WARPS[name.split()[0]])) for name, fn in launches.items()}
     for seg in (ch.SCAN_SEGMENT, 0):
         for name, fn in scans.items():
+            if seg == 0 and name == "scan from starts":
+                continue
             out[f"{name} segment={seg}"] = _with_attr(ch, "SCAN_SEGMENT", seg, lambda fn=fn: time_ms(fn))
     out.update({name: time_ms(fn) for name, fn in totals.items()})
     return {k: round(x, 3) for k, x in out.items()}
@@ -188,7 +193,8 @@ def scan_sweep(M=32, C=64, Ts=(4096, 8192, 16384, 65536)):
             for tile in ((32, 64), (32, 32), (16, 64)):
                 def go(fn):
                     return _with_attr(ch, "SCAN_TILE", tile, lambda: _with_attr(
-                        ch, "SCAN_SEGMENT", seg, lambda: _with_attr(ch, "SCAN_SEGMENT_BELOW", 1 << 30, fn)))
+                        ch, "SCAN_SEGMENT", seg, lambda: _with_attr(ch, "SCAN_SEGMENT_BELOW", 1 << 30, lambda: _with_attr(
+                            ch, "SCAN_SEGMENT_ABOVE", 0, fn))))
                 const = go(lambda: time_ms(lambda: ch.scan(z, b, pw, decay, C)))
                 rev = go(lambda: time_ms(lambda: ch.scan(z, b, pw, decay, C, c=c, rev=True)))
                 rows.append({"T": T, "seg": seg, "tile": f"{tile[0]}x{tile[1]}", "const_ms": round(const, 3),

@@ -37,16 +37,16 @@ def launch_all(kernel, bm, bd, timed=False):
     b = torch.randn(H, M, 2, device="cuda", generator=g) / M**0.5
     NC = triton.cdiv(T, C)
     pw = ch.powers(decay, C)
-    ub, _ = ch.scan(k, b, pw, decay, C)
-    gb, _ = ch.scan(v, b, pw, decay, C)
+    ub, _, _ = ch.scan(k, b, pw, decay, C)
+    gb, _, _ = ch.scan(v, b, pw, decay, C)
     a, da = (q.new_zeros(B, T, H, 2, M) for _ in range(2))
     part = q.new_zeros(B, H, NC, 4, M, dtype=torch.float32)
     wide = dict(ch._sizes(q, v, b), BM=64, BK=64, BV=64)
     sizes = dict(wide, BM=bm, BK=bd, BV=bd)
     grid = (NC, B * H)
     ch._bwd_a_kernel[grid](q, k, v, do, ub, gb, b, pw, a, da, part, T, NC, H, M, C=C, **wide)
-    rub, _ = ch.scan(q, b, pw, decay, C, c=da, rev=True)
-    rgb, _ = ch.scan(do, b, pw, decay, C, c=a, rev=True)
+    rub, _, _ = ch.scan(q, b, pw, decay, C, c=da, rev=True)
+    rgb, _, _ = ch.scan(do, b, pw, decay, C, c=a, rev=True)
     if kernel.startswith("fwd"):
         outs = {"o": torch.zeros_like(v)}
         fn = lambda: ch._fwd_kernel[grid](q, k, v, ub, gb, b, pw, outs["o"], T, NC, H, M, C=C, **sizes,  # noqa

@@ -725,9 +725,13 @@ GPU_MIN_TILE = (32, 64)
 # 0.021 ms stacked). Stacked bwd_a / dq ran no faster than plain 32-mode tiles (0.025 / 0.012 ms) and the stacked
 # dk / dv did not build on the GPU, so the backward has no stacked form.
 FWD_STACK_BELOW = 64
-# scans over fewer than SCAN_SEGMENT_BELOW (b, h, state tile) rows run in segments of SCAN_SEGMENT chunks (0: never)
-SCAN_SEGMENT, SCAN_SEGMENT_BELOW = 32, 512
-# a scan's (mode, feature) state tile per program
+# Scans over fewer than SCAN_SEGMENT_BELOW (b, h, state tile) rows and more than SCAN_SEGMENT_ABOVE chunks run in
+# segments of SCAN_SEGMENT chunks (0: never). Measured on the H200 (interdomain-scan-sweep-2026-11-30.md, one const /
+# per-token reverse scan, B*T = 64K, H = 16, D = 128, M = 32, ms): 64K tokens per row 0.81 / 0.86 unsegmented,
+# 0.36 / 0.47 in segments of 32; but at 8K and 16K unsegmented with narrower tiles (0.26 / 0.37, 0.30 / 0.36) beat
+# the best segmented (0.33 / 0.44, 0.33 / 0.44).
+SCAN_SEGMENT, SCAN_SEGMENT_BELOW, SCAN_SEGMENT_ABOVE = 32, 512, 256
+# a scan's (mode, feature) state tile per program, before narrowing for few rows
 SCAN_TILE = (32, 64)
 
 
@@ -739,25 +743,38 @@ def powers(decay: torch.Tensor, C: int) -> torch.Tensor:
     return pw
 
 
-def scan(z, b, pw, decay, C, c=None, x0=None, rev=False):
+def _scan_plan(B, H, D, M, NC):
+    """Chunks per segment (NC: unsegmented) and the (mode, feature) state tile of one scan."""
+    BM, BD = min(_next_pow2(M), SCAN_TILE[0]), min(_next_pow2(D), SCAN_TILE[1])
+    rows = lambda: B * H * triton.cdiv(D, BD) * triton.cdiv(M, BM)  # noqa: E731
+    if rows() >= SCAN_SEGMENT_BELOW:
+        return NC, BM, BD
+    if SCAN_SEGMENT and NC > SCAN_SEGMENT_ABOVE:
+        return min(SCAN_SEGMENT, NC), BM, BD
+    # few rows and chunks: narrower tiles spread the sequential chunk loop over more SMs (16 x 16 was slower still:
+    # one scan at T = 64K unsegmented, 1.01 ms against 0.69 ms at 16 x 32)
+    BM = min(BM, 16)
+    if rows() < SCAN_SEGMENT_BELOW:
+        BD = min(BD, 32)
+    return NC, BM, BD
+
+
+def scan(z, b, pw, decay, C, c=None, x0=None, rev=False, starts=None):
     """Chunk-boundary states of X_t = lam X_{t-1} + coef_t z_t (coef = b, or c [B, T, H, 2, M] per token).
 
     rev: the adjoint S_{c-1} = conj(lam)^L S_c + sum_j conj(lam)^(j+1) c_j z_j over the same chunks, from the last
-    chunk back. Returns the states [B, H, NC, 2, M, D] in z's dtype (before each chunk in the scan's direction) and
-    the last one [B, H, 2, M, D] fp32. x0: [B, H, 2, M, D] fp32 or None.
+    chunk back. x0: [B, H, 2, M, D] fp32 or None. Returns the states [B, H, NC, 2, M, D] in z's dtype (before each
+    chunk in the scan's direction), the last one [B, H, 2, M, D] fp32 (None when `starts` was given) and the
+    segments' start states [B, H, NS, 2, M, D] fp32 (None unsegmented).
 
     With few (b, h) rows (long sequences) the chunk loop is latency-bound on a few SMs, so the sequence is cut into
     segments of SCAN_SEGMENT chunks that run side by side: a first pass takes each segment's end state from zero
-    (no stores), _carry_kernel carries them across segments, and a second pass stores the boundaries."""
+    (no stores), _carry_kernel carries them across segments, and a second pass stores the boundaries. `starts`,
+    from an earlier scan of the same z, b and x0 (the backward recomputing the forward's states), skips the first
+    pass and the carry."""
     B, T, H, D = z.shape
     M, NC = b.shape[1], triton.cdiv(T, C)
-    BM, BD = min(_next_pow2(M), SCAN_TILE[0]), min(_next_pow2(D), SCAN_TILE[1])
-    rows = B * H * triton.cdiv(D, BD) * triton.cdiv(M, BM)
-    seg = NC if rows >= SCAN_SEGMENT_BELOW or SCAN_SEGMENT == 0 else min(SCAN_SEGMENT, NC)
-    if seg == NC and rows < 264:
-        # unsegmented and few rows: smaller tiles give the sequential chunk loop more SMs; going further, to 16 x 16
-        # tiles, was measured slower (one scan at T = 64K: 1.01 ms against 0.69 ms with 16 x 32)
-        BM, BD = 16, min(BD, 32)
+    seg, BM, BD = _scan_plan(B, H, D, M, NC)
     NS = triton.cdiv(NC, seg)
     xb = z.new_empty(B, H, NC, 2, M, D)
     xf = z.new_empty(B, H, NS, 2, M, D, dtype=torch.float32)
@@ -771,7 +788,12 @@ def scan(z, b, pw, decay, C, c=None, x0=None, rev=False):
 
     if NS == 1:
         run(x0, True)
-        return xb, xf[:, :, 0]
+        return xb, xf[:, :, 0], None
+    if starts is not None:
+        if starts.shape != xf.shape:
+            raise RuntimeError(f"scan: segment starts {tuple(starts.shape)} do not fit this scan's {tuple(xf.shape)}")
+        run(starts, True)
+        return xb, None, starts
     run(None, False)
     starts = torch.empty_like(xf)
     last = z.new_empty(B, H, 2, M, D, dtype=torch.float32)
@@ -779,7 +801,7 @@ def scan(z, b, pw, decay, C, c=None, x0=None, rev=False):
         xf, x0 if x0 is not None else xf, starts, last, decay, T, H, D, M, NS, seg * C, BM=BM, BD=BD,
         HAS_INIT=x0 is not None, REV=rev, INTERPRET=_interpret(), num_warps=NUM_WARPS["scan"])
     run(starts, True)
-    return xb, last
+    return xb, last, starts
 
 
 def _sizes(q, v, b):
@@ -792,26 +814,28 @@ def _sizes(q, v, b):
 def interdomain_fwd(q, k, v, decay, b, u0=None, g0=None, chunk_size=64):
     """Forward. q, k [B, T, H, K], v [B, T, H, V]; u0/g0 [B, H, 2, M, K/V] fp32 or None.
 
-    Returns o [B, T, H, V] and the final U, G [B, H, 2, M, K/V] fp32."""
+    Returns o [B, T, H, V], the final U, G [B, H, 2, M, K/V] fp32 and the U and G scans' segment start states (None
+    unsegmented; small: one state per SCAN_SEGMENT chunks) for the backward."""
     B, T, H, _ = q.shape
     C, M, NC = chunk_size, b.shape[1], triton.cdiv(T, chunk_size)
     pw = powers(decay, C)
-    ub, uf = scan(k, b, pw, decay, C, x0=u0)
-    gb, gf = scan(v, b, pw, decay, C, x0=g0)
+    ub, uf, su = scan(k, b, pw, decay, C, x0=u0)
+    gb, gf, sg = scan(v, b, pw, decay, C, x0=g0)
     o = torch.empty_like(v)
     sizes = _sizes(q, v, b)
     _fwd_kernel[(NC, B * H)](q, k, v, ub, gb, b, pw, o, T, NC, H, M, C=C, **sizes,
                              STACK=sizes["BM"] < FWD_STACK_BELOW, num_warps=NUM_WARPS["fwd"])
-    return o, uf, gf
+    return o, uf, gf, (su, sg)
 
 
-def interdomain_bwd(q, k, v, decay, b, u0, g0, do, duf, dgf, chunk_size=64):
-    """Backward: dq, dk, dv, ddecay, db, du0, dg0 (du0/dg0 None when there was no initial state)."""
+def interdomain_bwd(q, k, v, decay, b, u0, g0, do, duf, dgf, chunk_size=64, starts=(None, None)):
+    """Backward: dq, dk, dv, ddecay, db, du0, dg0 (du0/dg0 None when there was no initial state). starts: the
+    forward's segment start states (interdomain_fwd), so that recomputing its states takes one pass over k and v."""
     B, T, H, _ = q.shape
     C, M, NC = chunk_size, b.shape[1], triton.cdiv(T, chunk_size)
     pw = powers(decay, C)
-    ub, _ = scan(k, b, pw, decay, C, x0=u0)
-    gb, _ = scan(v, b, pw, decay, C, x0=g0)
+    ub, _, _ = scan(k, b, pw, decay, C, x0=u0, starts=starts[0])
+    gb, _, _ = scan(v, b, pw, decay, C, x0=g0, starts=starts[1])
     # a and da feed bf16 products and scan coefficients only, so a 16-bit copy of bf16 runs loses nothing
     cdt = torch.bfloat16 if q.dtype == torch.bfloat16 else torch.float32
     a = q.new_empty(B, T, H, 2, M, dtype=cdt)
@@ -820,8 +844,8 @@ def interdomain_bwd(q, k, v, decay, b, u0, g0, do, duf, dgf, chunk_size=64):
     sizes = _sizes(q, v, b)
     _bwd_a_kernel[(NC, B * H)](q, k, v, do, ub, gb, b, pw, a, da, part_a, T, NC, H, M, C=C, **sizes,
                                num_warps=NUM_WARPS["bwd_a"])
-    rub, du0 = scan(q, b, pw, decay, C, c=da, x0=duf, rev=True)
-    rgb, dg0 = scan(do, b, pw, decay, C, c=a, x0=dgf, rev=True)
+    rub, du0, _ = scan(q, b, pw, decay, C, c=da, x0=duf, rev=True)
+    rgb, dg0, _ = scan(do, b, pw, decay, C, c=a, x0=dgf, rev=True)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     part_m = q.new_empty(2, B, H, NC, 4, M, dtype=torch.float32)  # the dk and dv shares; dq writes none
     for part, slot, key in ((1, 0, "bwd_dq"), (2, 0, "bwd_dk"), (4, 1, "bwd_dv")):
@@ -849,19 +873,21 @@ def _prec(t: torch.Tensor) -> str:
 
 
 class InterdomainFunction(torch.autograd.Function):
-    """The forward keeps only the inputs; the backward recomputes the chunk-boundary states."""
+    """The forward keeps the inputs and, for long sequences, its scans' segment start states; the backward
+    recomputes the chunk-boundary states from them."""
 
     @staticmethod
     def forward(ctx, q, k, v, decay, b, u0, g0, chunk_size):
-        o, uf, gf = interdomain_fwd(q, k, v, decay, b, u0, g0, chunk_size)
-        ctx.save_for_backward(q, k, v, decay, b, u0, g0)
+        o, uf, gf, starts = interdomain_fwd(q, k, v, decay, b, u0, g0, chunk_size)
+        ctx.save_for_backward(q, k, v, decay, b, u0, g0, *starts)
         ctx.chunk_size = chunk_size
         return o, uf, gf
 
     @staticmethod
     def backward(ctx, do, duf, dgf):
-        q, k, v, decay, b, u0, g0 = ctx.saved_tensors
-        grads = interdomain_bwd(q, k, v, decay, b, u0, g0, do.contiguous(), _opt(duf), _opt(dgf), ctx.chunk_size)
+        q, k, v, decay, b, u0, g0, su, sg = ctx.saved_tensors
+        grads = interdomain_bwd(q, k, v, decay, b, u0, g0, do.contiguous(), _opt(duf), _opt(dgf), ctx.chunk_size,
+                                (su, sg))
         return (*grads, None)
 
 

@@ -144,6 +144,7 @@ def segmented(monkeypatch, request):
 
     monkeypatch.setattr(chunk, "SCAN_SEGMENT", 2)
     monkeypatch.setattr(chunk, "SCAN_SEGMENT_BELOW", 1 << 30)
+    monkeypatch.setattr(chunk, "SCAN_SEGMENT_ABOVE", 0)
     monkeypatch.setattr(chunk, "SCAN_HOIST", {"const": request.param, "per_token": request.param})
 
 
@@ -155,7 +156,7 @@ def segmented(monkeypatch, request):
 ])
 def test_segmented_scans_match_naive(nan_empty, segmented, T, C, init, normalize, strong):
     """Output, final state and every gradient (the reverse scans segmented too) with the state carried across
-    segments by _segment_starts."""
+    segments by _carry_kernel, and the backward recomputing the forward's states from its segment starts."""
     inputs = make_inputs(1, T, 2, 16, 24, 8, init=init, normalize=normalize, strong=strong)
     compare(inputs, FP32_TOL, chunk_size=C, normalize=normalize)
 
@@ -174,6 +175,23 @@ def test_fwd_forms_match_naive(nan_empty, fwd_form, T, M, normalize):
     """The forward with its mode products plain or on stacked real / imaginary operands, also with padded modes
     (M = 24 in a 32-mode tile)."""
     compare(make_inputs(1, T, 2, 16, 24, M, normalize=normalize), FP32_TOL, normalize=normalize)
+
+
+def test_scan_from_segment_starts(segmented):
+    """A scan given an earlier scan's segment starts (the backward's recomputation) stores the same states; starts
+    of another segmentation are refused."""
+    from kernels.interdomain import chunk
+
+    q, k, v, decay, b, u0, _ = make_inputs(2, 300, 2, 16, 24, 8)
+    pw = chunk.powers(decay, 32)
+    x0 = u0.transpose(2, 3).contiguous()
+    xb, last, starts = chunk.scan(k, b, pw, decay, 32, x0=x0)
+    assert starts is not None and last is not None
+    again, none, same = chunk.scan(k, b, pw, decay, 32, x0=x0, starts=starts)
+    assert none is None and same is starts
+    assert torch.equal(again, xb)
+    with pytest.raises(RuntimeError, match="do not fit"):
+        chunk.scan(k, b, pw, decay, 32, x0=x0, starts=starts[:, :, :2])
 
 
 def _bad(**over):
@@ -254,6 +272,7 @@ def test_segmented_scans_gpu_bf16(nan_empty, monkeypatch):
     from kernels.interdomain import chunk
 
     assert chunk.SCAN_SEGMENT == 32
+    monkeypatch.setattr(chunk, "SCAN_SEGMENT_ABOVE", 32)  # 66 chunks: segmented like a long sequence
     inputs = make_inputs(1, 4200, 2, 128, 128, 32, dtype=torch.bfloat16, init=True)
     compare(inputs, BF16_TOL, BF16_GRAD_TOL)
 
