@@ -726,11 +726,12 @@ GPU_MIN_TILE = (32, 64)
 # dk / dv did not build on the GPU, so the backward has no stacked form.
 FWD_STACK_BELOW = 64
 # Scans over fewer than SCAN_SEGMENT_BELOW (b, h, state tile) rows and more than SCAN_SEGMENT_ABOVE chunks run in
-# segments of SCAN_SEGMENT chunks (0: never). Measured on the H200 (interdomain-scan-sweep-2026-11-30.md, one const /
-# per-token reverse scan, B*T = 64K, H = 16, D = 128, M = 32, ms): 64K tokens per row 0.81 / 0.86 unsegmented,
-# 0.36 / 0.47 in segments of 32; but at 8K and 16K unsegmented with narrower tiles (0.26 / 0.37, 0.30 / 0.36) beat
-# the best segmented (0.33 / 0.44, 0.33 / 0.44).
-SCAN_SEGMENT, SCAN_SEGMENT_BELOW, SCAN_SEGMENT_ABOVE = 32, 512, 256
+# segments of SCAN_SEGMENT chunks (0: never). Measured on the H200 at B*T = 64K, H = 16, D = 128, M = 32: one const /
+# per-token reverse scan at 64K tokens per row 0.81 / 0.86 ms unsegmented, 0.36 / 0.47 in segments of 32 (0.20 for
+# the backward's const scans from the forward's starts); at 8K unsegmented with narrower tiles 0.26 / 0.37 against
+# 0.33 / 0.45 (interdomain-scan-sweep-2026-11-30.md). The whole op forward+backward, segmenting above 64 / 128 / 256
+# / 512 chunks: 8K 6.39 / 6.22 / 6.22 / 6.22 ms, 16K 6.40 / 6.40 / 6.77 / 6.78, 32K 6.43 / 6.43 / 6.43 / 7.30.
+SCAN_SEGMENT, SCAN_SEGMENT_BELOW, SCAN_SEGMENT_ABOVE = 32, 512, 128
 # a scan's (mode, feature) state tile per program, before narrowing for few rows
 SCAN_TILE = (32, 64)
 
