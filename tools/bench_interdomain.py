@@ -286,7 +286,7 @@ def jobs_for(Ts, only_ours):
               lambda: _with_attr(ch, "GPU_MIN_TILE", (64, 64), lambda: breakdown(2048, 32)))]
     unseg = lambda T: _with_attr(ch, "SCAN_SEGMENT", 0, lambda: ours(T, 32))  # noqa: E731
     jobs += [("interdomain C=64 unsegmented scans", T, 32, lambda T=T: unseg(T)) for T in Ts if T >= 65536]
-    jobs += [("interdomain C=64", T, 64, lambda T=T: ours(T, 64)) for T in Ts if T in (2048, 65536)]
+    jobs += [("interdomain C=64", T, 64, lambda T=T: ours(T, 64)) for T in Ts]
     if not only_ours:
         jobs += [(f"sdpa-{be}", T, "-", lambda T=T, be=be: sdpa(T, be)) for be in ("flash", "cudnn") for T in Ts]
         jobs += [("fla-gdn fwd", T, "-", lambda T=T: fla_gdn(T)) for T in Ts]
