@@ -159,7 +159,7 @@ def breakdown(T, M, C=64):
         for name, fn in scans.items():
             if seg == 0 and name == "scan from starts":
                 continue
-            out[f"{name} segment={seg}"] = _with_attr(ch, "SCAN_SEGMENT", seg, lambda fn=fn: time_ms(fn))
+            out[f"{name} segment={seg}"] = _with_attrs(ch, {"SCAN_SEGMENT": seg}, lambda fn=fn: time_ms(fn))
     out.update({name: time_ms(fn) for name, fn in totals.items()})
     return {k: round(x, 3) for k, x in out.items()}
 
@@ -191,25 +191,25 @@ def scan_sweep(M=32, C=64, Ts=(4096, 8192, 16384, 65536)):
         pw = ch.powers(decay, C)
         for seg in (0, 8, 16, 32, 64):
             for tile in ((32, 64), (32, 32), (16, 64)):
-                def go(fn):
-                    return _with_attr(ch, "SCAN_TILE", tile, lambda: _with_attr(
-                        ch, "SCAN_SEGMENT", seg, lambda: _with_attr(ch, "SCAN_SEGMENT_BELOW", 1 << 30, lambda: _with_attr(
-                            ch, "SCAN_SEGMENT_ABOVE", 0, fn))))
-                const = go(lambda: time_ms(lambda: ch.scan(z, b, pw, decay, C)))
-                rev = go(lambda: time_ms(lambda: ch.scan(z, b, pw, decay, C, c=c, rev=True)))
+                plan = {"SCAN_TILE": tile, "SCAN_SEGMENT": seg, "SCAN_SEGMENT_BELOW": 1 << 30, "SCAN_SEGMENT_ABOVE": 0}
+                const = _with_attrs(ch, plan, lambda: time_ms(lambda: ch.scan(z, b, pw, decay, C)))
+                rev = _with_attrs(ch, plan, lambda: time_ms(lambda: ch.scan(z, b, pw, decay, C, c=c, rev=True)))
                 rows.append({"T": T, "seg": seg, "tile": f"{tile[0]}x{tile[1]}", "const_ms": round(const, 3),
                              "rev_ms": round(rev, 3)})
     print(format_table(rows), flush=True)
     return rows
 
 
-def _with_attr(obj, name, value, fn):
-    saved = getattr(obj, name)
-    setattr(obj, name, value)
+def _with_attrs(obj, values: dict, fn):
+    """fn() with obj's attributes set to `values`, restored afterwards."""
+    saved = {name: getattr(obj, name) for name in values}
+    for name, value in values.items():
+        setattr(obj, name, value)
     try:
         return fn()
     finally:
-        setattr(obj, name, saved)
+        for name, value in saved.items():
+            setattr(obj, name, value)
 
 
 def _measure(fwd, fb, leaves=None):
@@ -279,12 +279,12 @@ def jobs_for(Ts, only_ours):
     jobs = [("interdomain C=64", T, 32, lambda T=T: ours(T, 32)) for T in Ts]
     jobs += [("breakdown", T, 32, lambda T=T: breakdown(T, 32)) for T in (2048, 65536)]
     # the previous build: every tile padded to 64 (the plain forward)
-    wide = lambda T: _with_attr(ch, "GPU_MIN_TILE", (64, 64), lambda: ours(T, 32))  # noqa: E731
+    wide = lambda T: _with_attrs(ch, {"GPU_MIN_TILE": (64, 64)}, lambda: ours(T, 32))  # noqa: E731
     jobs += [("interdomain C=64 64-mode tiles", T, 32, lambda T=T: wide(T)) for T in Ts if T in (2048, 8192)]
     jobs += [("interdomain C=64 grads accumulated", 2048, 32, lambda: ours(2048, 32, accumulate=True))]
     jobs += [("breakdown 64-mode tiles", 2048, 32,
-              lambda: _with_attr(ch, "GPU_MIN_TILE", (64, 64), lambda: breakdown(2048, 32)))]
-    unseg = lambda T: _with_attr(ch, "SCAN_SEGMENT", 0, lambda: ours(T, 32))  # noqa: E731
+              lambda: _with_attrs(ch, {"GPU_MIN_TILE": (64, 64)}, lambda: breakdown(2048, 32)))]
+    unseg = lambda T: _with_attrs(ch, {"SCAN_SEGMENT": 0}, lambda: ours(T, 32))  # noqa: E731
     jobs += [("interdomain C=64 unsegmented scans", T, 32, lambda T=T: unseg(T)) for T in Ts if T >= 65536]
     jobs += [("interdomain C=64", T, 64, lambda T=T: ours(T, 64)) for T in Ts]
     if not only_ours:
