@@ -569,16 +569,21 @@ def _load_coef(p_ptr, rows, ok, oc, om, mm, M):
 
 
 @triton.jit
+def _feature_tile(d0, ok, om, mm, D: tl.constexpr, BD: tl.constexpr):
+    """Feature tile d0..d0+BD: its offsets and mask, the [C, BD] token-row mask, and the [BM, BD] mask and offsets
+    of a state's mode rows."""
+    od = d0 + tl.arange(0, BD)
+    md = od < D
+    return od, md, ok[:, None] & md[None, :], mm[:, None] & md[None, :], om[:, None] * D + od[None, :]
+
+
+@triton.jit
 def _grad_dq(dq_ptr, k_ptr, wd, xr, xi, ub, rows, ok, om, mm, M, D: tl.constexpr, BD: tl.constexpr,
              PREC: tl.constexpr):
     """dq = W_da K + Re((da conj lam^(j+1)) conj U_c), tiled over the feature dim."""
     DT = k_ptr.dtype.element_ty
     for d0 in tl.static_range(0, D, BD):
-        od = d0 + tl.arange(0, BD)
-        md = od < D
-        mrow = ok[:, None] & md[None, :]
-        ms = mm[:, None] & md[None, :]
-        st = om[:, None] * D + od[None, :]
+        od, md, mrow, ms, st = _feature_tile(d0, ok, om, mm, D, BD)
         acc = tl.dot(wd, tl.load(k_ptr + rows[:, None] * D + od[None, :], mask=mrow, other=0.0).to(DT),
                      input_precision=PREC)
         acc += tl.dot(xr, tl.load(ub + st, mask=ms, other=0.0).to(DT), input_precision=PREC)
@@ -598,11 +603,7 @@ def _grad_rev(out_ptr, x_ptr, z_ptr, wt, yr, yi, sb, ub, rows, ok, om, mm, M, D:
     sur = tl.zeros([BM], dtype=tl.float32)
     sui = tl.zeros([BM], dtype=tl.float32)
     for d0 in tl.static_range(0, D, BD):
-        od = d0 + tl.arange(0, BD)
-        md = od < D
-        mrow = ok[:, None] & md[None, :]
-        ms = mm[:, None] & md[None, :]
-        st = om[:, None] * D + od[None, :]
+        od, md, mrow, ms, st = _feature_tile(d0, ok, om, mm, D, BD)
         s_r = tl.load(sb + st, mask=ms, other=0.0).to(tl.float32)
         s_i = tl.load(sb + M * D + st, mask=ms, other=0.0).to(tl.float32)
         acc = tl.dot(wt, tl.load(x_ptr + rows[:, None] * D + od[None, :], mask=mrow, other=0.0).to(DT),
