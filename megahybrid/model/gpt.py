@@ -8,9 +8,9 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer import TransformerConfig
 
 from megahybrid.distributed import device
-from megahybrid.errors import LayoutError
 from megahybrid.model.config import ModelConfig
-from megahybrid.model.specs import block_spec, max_chunk_size
+from megahybrid.model.mixers import check_context_parallel, max_chunk_size
+from megahybrid.model.specs import block_spec
 from megahybrid.parallel import ParallelLayout
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -53,11 +53,10 @@ def transformer_config(cfg: ModelConfig, layout: ParallelLayout, precision: str 
 def build_model(cfg: ModelConfig, layout: ParallelLayout, precision: str = "fp32") -> GPTModel:
     """The decoder for this rank's shard, on the current device. forward(tokens, labels) -> per-token loss [b, s]."""
     layout.check_model(cfg.num_heads, cfg.kv_heads, cfg.seq_length, max_chunk_size(cfg.pattern))
-    if layout.cp > 1 and "S" in cfg.pattern:
-        raise LayoutError("context parallelism for softmax layers is not available yet; set parallel.cp=1")
+    check_context_parallel(cfg.pattern, layout.cp)
     model = GPTModel(
         config=transformer_config(cfg, layout, precision),
-        transformer_layer_spec=block_spec(cfg.layer_pattern),
+        transformer_layer_spec=block_spec(cfg),
         vocab_size=cfg.vocab_size,
         max_sequence_length=cfg.seq_length,
         share_embeddings_and_output_weights=cfg.tie_embeddings,

@@ -230,7 +230,7 @@ class Trainer:
             f"# derived: world_size={self.plan.world_size} tp={lay.tp} cp={lay.cp} dp={lay.dp} "
             f"grad_accumulation={self.gas} precision={self.plan.precision} zero_stage={zero_stage(self.ds_config)} "
             f"params={self.num_params / 1e6:.2f}M flops_per_token={self.flops_per_token:.3e} "
-            f"device={self.engine.device}"
+            f"device={self.engine.device} {_state_line(self.plan.model)}"
         )
         text = self.cfg.to_yaml() + derived
         print("resolved config:\n" + text, flush=True)
@@ -292,6 +292,14 @@ class Trainer:
         print(f"resume: python -m megahybrid train --config {os.path.join(self.cfg.run_dir, 'config.yaml')} "
               f"[train.steps=N to go further] (continues from {self.cfg.checkpoint_dir}/latest)\n"
               f"tensorboard: tensorboard --logdir {self.cfg.tensorboard_dir}", flush=True)
+
+
+def _state_line(model_cfg) -> str:
+    """Decode-state floats per sequence and layer of each mixer kind at the training context."""
+    from megahybrid.model.mixers import state_floats
+
+    per_mixer = ",".join(f"{c}:{n}" for c, n in state_floats(model_cfg, model_cfg.seq_length).items())
+    return f"state_floats_per_layer@{model_cfg.seq_length}={per_mixer}"
 
 
 def _quiet_deepspeed() -> None:
