@@ -5,13 +5,48 @@ from dataclasses import dataclass
 from megahybrid.errors import ConfigError
 
 
+INTERDOMAIN_VARIANTS = ("full", "normalized", "generic-query", "dual-contraction")
+
+
 @dataclass
 class InterdomainOptions:
-    """Options of the Interdomain family (`I`, `D`); set as `model.interdomain.<field>=...`."""
+    """Options of the Interdomain family (`I`, `D`); set as `model.interdomain.<field>=...`.
 
-    modes: int = 64
-    head_dim: int = 64
+    `variant` picks the ablation cell the `I` character builds (the paper's Appendix B.1; `D` is always the
+    S4D-only cell): full (dual [xi(k), v] input, query-conditioned readout), normalized (full with the op's
+    normalized readout), generic-query ([a, b] input, query-conditioned readout), dual-contraction (dual input,
+    linear-contraction readout, no query).
+    """
+
+    modes: int = 64  # M complex modes per head (the op serves 1..64)
+    head_dim: int | None = None  # d_h of values and outputs per head; None = the model's head_dim
+    feature_dim: int | None = None  # R of query / key features per head; None = head_dim
     conv_size: int = 4
+    rope: bool | None = None  # None = the cell's default: on for `I` cells, off for `D`
+    output_gate: bool = False  # sigma(W_g x) * o before the output projection
+    init: str = "inv"  # S4D-Inv ("inv") or S4D-Lin ("lin") imaginary parts of A
+    variant: str = "full"
+    dt_min: float = 1e-3
+    dt_max: float = 1e-1
+    ssm_lr: float = 1e-3  # learning-rate cap of the SSM parameters and the input norms (no weight decay)
+
+    def heads(self, hidden_size: int, model_head_dim: int) -> tuple[int, int, int]:
+        """(heads, d_h, R) of the mixer in a model of this width."""
+        dh = self.head_dim or model_head_dim
+        return hidden_size // dh, dh, self.feature_dim or dh
+
+    def check(self, hidden_size: int, model_head_dim: int) -> None:
+        dh = self.head_dim or model_head_dim
+        if hidden_size % dh:
+            raise ConfigError(f"model.interdomain.head_dim={dh} must divide model.hidden_size={hidden_size}")
+        if not 1 <= self.modes <= 64:
+            raise ConfigError(f"model.interdomain.modes={self.modes} must be in 1..64 (the op's limit)")
+        if self.variant not in INTERDOMAIN_VARIANTS:
+            raise ConfigError(f"model.interdomain.variant={self.variant!r}; choose one of {INTERDOMAIN_VARIANTS}")
+        if self.init not in ("inv", "lin"):
+            raise ConfigError(f"model.interdomain.init={self.init!r}; choose inv (S4D-Inv) or lin (S4D-Lin)")
+        if self.conv_size < 1 or not 0 < self.dt_min <= self.dt_max:
+            raise ConfigError("model.interdomain: conv_size must be >= 1 and 0 < dt_min <= dt_max")
 
 
 @dataclass
@@ -88,6 +123,8 @@ class ModelConfig:
 
         for char in dict.fromkeys(self.pattern):
             mixer_for(char)
+        if set(self.pattern) & {"I", "D"}:
+            self.interdomain.check(self.hidden_size, self.head_dim)
         if self.num_layers % len(self.pattern):
             raise ConfigError(
                 f"model.pattern {self.pattern!r} (length {len(self.pattern)}) does not tile "
@@ -126,6 +163,21 @@ PRESETS: dict[str, ModelConfig] = {
     "760m": ModelConfig(num_layers=24, hidden_size=1536, num_heads=12, vocab_size=32000, seq_length=4096),
     "1.3b": ModelConfig(num_layers=24, hidden_size=2048, num_heads=16, vocab_size=32000, seq_length=4096),
 }
+
+
+def _paper_presets() -> dict[str, ModelConfig]:
+    """The Interdomain paper's models (arXiv 2605.24330, Table 3): head dim 64 everywhere, SwiGLU width 2/3 * 4d
+    rounded up to a multiple of 128; `-paper` is its softmax baseline, `-interdomain` all `I`, `-s4d` all `D`."""
+    out = {}
+    for size, layers, d in (("125m", 12, 768), ("350m", 24, 1024), ("760m", 24, 1536), ("1.3b", 24, 2048)):
+        base = ModelConfig(num_layers=layers, hidden_size=d, num_heads=d // 64, vocab_size=32000,
+                           seq_length=4096, ffn_hidden_size=-(-(8 * d // 3) // 128) * 128)
+        for suffix, pattern in (("paper", "S"), ("interdomain", "I"), ("s4d", "D")):
+            out[f"{size}-{suffix}"] = dataclasses.replace(base, pattern=pattern)
+    return out
+
+
+PRESETS.update(_paper_presets())
 
 
 def preset(name: str, **overrides) -> ModelConfig:
