@@ -1,21 +1,23 @@
-"""Interdomain Attention token-mixing op: chunked Triton kernels (forward + backward), decode step, reference."""
+"""Interdomain Attention token-mixing op: chunked Triton kernels (forward + backward), a chunked torch path (CPU
+tensors, full readouts), decode step, reference."""
 import weakref
 
 import torch
 
-from .chunk import InterdomainFunction
+from .chunk import InterdomainFunction, _interpret
 from .naive import EPS, interdomain_attention_naive, sign_nonzero
 from .recurrent import interdomain_recurrent, interdomain_step
+from .torch_chunk import interdomain_readout, interdomain_torch
 
 __all__ = ["interdomain_attention", "interdomain_attention_naive", "interdomain_step", "interdomain_recurrent",
-           "EPS"]
+           "interdomain_readout", "uses_torch_path", "EPS"]
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _CHECKED_DECAY: dict = {}
 
 
 def interdomain_attention(q, k, v, decay, b, initial_state=None, output_final_state=False, normalize=False,
-                          chunk_size=64):
+                          chunk_size=64, readout=None):
     """Interdomain Attention (see kernels/interdomain/README.md for the definition).
 
     Args:
@@ -24,10 +26,15 @@ def interdomain_attention(q, k, v, decay, b, initial_state=None, output_final_st
         initial_state: (U [B, H, M, 2, K], G [B, H, M, 2, V]) fp32, plus eta [B, H, M, 2] with `normalize`.
         normalize: divide by sum_m Re(a conj eta) + EPS * sign (sign(0) = +1).
         chunk_size: tokens per chunk (16, 32, 64 or 128); chunk-boundary states are the only states kept.
+        readout: C [H, M, M, 2] fp32 (re, im) mixing the modes of U_t and Gamma_t before the query reads them; None
+            is the identity. The Triton kernels do not carry C yet: with a readout the op runs the chunked torch
+            path (torch_chunk.py) on every device, correct but slower on the GPU.
     Returns:
         o [B, T, H, V] in v's dtype and the final state (same layout as initial_state) or None.
+    On CPU tensors the op runs the chunked torch path unless TRITON_INTERPRET=1 (which runs the Triton kernels in
+    the interpreter, as their tests do).
     """
-    check_inputs(q, k, v, decay, b, initial_state, normalize, chunk_size)
+    check_inputs(q, k, v, decay, b, initial_state, normalize, chunk_size, readout)
     B, T, H, _ = q.shape
     V = v.shape[-1]
     if normalize:
@@ -39,8 +46,11 @@ def interdomain_attention(q, k, v, decay, b, initial_state=None, output_final_st
     if initial_state is not None:
         u0 = initial_state[0].transpose(2, 3).contiguous()
         g0 = initial_state[1].transpose(2, 3).contiguous()
-    o, uf, gf = InterdomainFunction.apply(q.contiguous(), k.contiguous(), v.contiguous(), decay.contiguous(),
-                                          b.contiguous(), u0, g0, chunk_size)
+    if uses_torch_path(q, readout):
+        o, uf, gf = interdomain_torch(q, k, v, decay, b, u0, g0, chunk_size, readout)
+    else:
+        o, uf, gf = InterdomainFunction.apply(q.contiguous(), k.contiguous(), v.contiguous(), decay.contiguous(),
+                                              b.contiguous(), u0, g0, chunk_size)
     state = (uf.transpose(2, 3).contiguous(), gf.transpose(2, 3).contiguous()) if output_final_state else None
     if normalize:
         den = o[..., V:].float()
@@ -50,7 +60,13 @@ def interdomain_attention(q, k, v, decay, b, initial_state=None, output_final_st
     return o, state
 
 
-def check_inputs(q, k, v, decay, b, initial_state, normalize, chunk_size):
+def uses_torch_path(q, readout=None):
+    """True where the op runs torch_chunk.py instead of the Triton kernels: a readout, or a CPU tensor outside the
+    Triton interpreter."""
+    return readout is not None or (q.device.type == "cpu" and not _interpret())
+
+
+def check_inputs(q, k, v, decay, b, initial_state, normalize, chunk_size, readout=None):
     """One-line ValueErrors naming the fix for every malformed input."""
     if q.dim() != 4 or k.shape != q.shape:
         raise ValueError(f"q and k must both be [B, T, H, K]; got {tuple(q.shape)} and {tuple(k.shape)}")
@@ -69,9 +85,13 @@ def check_inputs(q, k, v, decay, b, initial_state, normalize, chunk_size):
     M = decay.shape[1]
     if b.shape[1] != M or not 1 <= M <= 64:
         raise ValueError(f"decay and b must share M with 1 <= M <= 64; got {decay.shape[1]} and {b.shape[1]}")
-    tensors = [q, k, v, decay, b] + list(initial_state or ())
+    if readout is not None and (readout.shape != (H, M, M, 2) or readout.dtype != torch.float32):
+        raise ValueError(f"readout must be fp32 [H={H}, M={M}, M, 2] (re, im) or None; got {readout.dtype} "
+                         f"{tuple(readout.shape)}")
+    tensors = [q, k, v, decay, b] + list(initial_state or ()) + ([readout] if readout is not None else [])
     if any(t.device != q.device for t in tensors):
-        raise ValueError("all inputs (q, k, v, decay, b, initial_state) must be on one device; move them with .to()")
+        raise ValueError("all inputs (q, k, v, decay, b, initial_state, readout) must be on one device; move them "
+                         "with .to()")
     if chunk_size not in (16, 32, 64, 128):
         raise ValueError(f"chunk_size must be 16, 32, 64 or 128; got {chunk_size}")
     _check_decay(decay)

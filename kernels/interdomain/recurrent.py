@@ -125,43 +125,48 @@ def interdomain_recurrent_fwd(q, k, v, decay, b, initial_state, normalize, outpu
     return o, (uf, gf, ef) if normalize else (uf, gf)
 
 
-def interdomain_recurrent(q, k, v, decay, b, initial_state=None, normalize=None):
+def interdomain_recurrent(q, k, v, decay, b, initial_state=None, normalize=None, readout=None):
     """Interdomain Attention for short prompts and decoding, token by token in one fused kernel.
 
     Forward only: under grad mode with any input requiring grad the call goes to the differentiable chunk op
-    `interdomain_attention` (same definition, same results within fp32 rounding).
+    `interdomain_attention` (same definition, same results within fp32 rounding). With a readout, or on a CPU
+    tensor outside the Triton interpreter, the chunk op's torch path runs instead of the fused kernel (one chunk of
+    T tokens for T <= 64).
 
     Args:
         q, k: [B, T, H, K]; v: [B, T, H, V] (fp32, bf16 or fp16, one dtype); decay, b: [H, M, 2] fp32.
         initial_state: None (zeros) or (U [B, H, M, 2, K], G [B, H, M, 2, V]) fp32, plus eta [B, H, M, 2]
             for the normalized readout.
         normalize: the normalized readout; None means "initial_state has eta".
+        readout: C [H, M, M, 2] fp32 or None (identity), as in `interdomain_attention`.
     Returns:
         o [B, T, H, V] in v's dtype and the final state in initial_state's layout.
     """
     # imported here: the package's __init__ imports this module
-    from . import check_inputs, interdomain_attention
+    from . import check_inputs, interdomain_attention, uses_torch_path
 
     if normalize is None:
         normalize = initial_state is not None and len(initial_state) == 3
-    check_inputs(q, k, v, decay, b, initial_state, normalize, 64)
-    if torch.is_grad_enabled() and any(t.requires_grad for t in [q, k, v, decay, b, *(initial_state or ())]):
-        return interdomain_attention(q, k, v, decay, b, initial_state, True, normalize)
+    check_inputs(q, k, v, decay, b, initial_state, normalize, 64, readout)
+    inputs = [q, k, v, decay, b, *(initial_state or ()), *([readout] if readout is not None else [])]
+    if uses_torch_path(q, readout) or (torch.is_grad_enabled() and any(t.requires_grad for t in inputs)):
+        return interdomain_attention(q, k, v, decay, b, initial_state, True, normalize, readout=readout)
     return interdomain_recurrent_fwd(q, k, v, decay, b, initial_state, normalize)
 
 
-def interdomain_step(q, k, v, decay, b, state):
+def interdomain_step(q, k, v, decay, b, state, readout=None):
     """One decoding token: the fused recurrent kernel with T = 1.
 
     Args:
         q, k: [B, H, K]; v: [B, H, V]; decay, b: [H, M, 2] fp32.
         state: (U [B, H, M, 2, K], G [B, H, M, 2, V]) fp32, plus eta [B, H, M, 2] for the normalized readout;
             None means a zero state without normalization.
+        readout: C [H, M, M, 2] fp32 or None (identity).
     Returns:
         o [B, H, V] in v's dtype and the new state tuple (new tensors; the inputs are not modified).
     """
     if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
         raise ValueError(f"interdomain_step takes one token: q, k [B, H, K], v [B, H, V] (no T axis); "
                          f"got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
-    o, state = interdomain_recurrent(q[:, None], k[:, None], v[:, None], decay, b, state)
+    o, state = interdomain_recurrent(q[:, None], k[:, None], v[:, None], decay, b, state, readout=readout)
     return o[:, 0], state
