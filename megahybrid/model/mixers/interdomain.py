@@ -47,10 +47,14 @@ FEATURE_EPS = 1e-6
 CHUNK = 64
 
 
+def _tp_size() -> int:
+    return ps.get_tensor_model_parallel_world_size() if ps.model_parallel_is_initialized() else 1
+
+
 def _shard(full: torch.Tensor, heads: slice) -> torch.nn.Parameter:
     """This rank's heads of a full per-head tensor (built identically on every rank), tagged as TP-sharded."""
     param = torch.nn.Parameter(full[heads].contiguous().float())
-    if ps.get_tensor_model_parallel_world_size() > 1:
+    if _tp_size() > 1:
         set_tensor_model_parallel_attributes(param, True, 0, 1)
     return param
 
@@ -133,7 +137,7 @@ class HeadNorm(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.weight
-        if ps.get_tensor_model_parallel_world_size() > 1:
+        if _tp_size() > 1:
             weight = copy_to_tensor_model_parallel_region(weight)
         x = x.float()
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * weight + self.bias
@@ -248,7 +252,7 @@ class QueryReadout(torch.nn.Module):
 
         q, k, v = parts["q"], parts.get("k", parts.get("a")), parts.get("v", parts.get("b"))
         C = self.C.float()
-        if q.shape[1] == 1 and q.is_cuda:
+        if q.shape[1] == 1:
             o, new = interdomain_step(q[:, 0], k[:, 0], v[:, 0], decay, b, state, readout=C)
             return o[:, None], new
         return interdomain_attention(q, k, v, decay, b, state, True, self.normalize, CHUNK, readout=C)
