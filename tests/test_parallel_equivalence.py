@@ -7,9 +7,16 @@ from tests.utils import assert_close
 
 LOSS_TOL = 1e-5  # fp32, reductions reordered across ranks
 GRAD_TOL = 1e-4  # relative RMS error of each full (unsharded) gradient
+# Patterns with the Interdomain family's S4D cores: their first step's gradients agree to 6e-7 (IDS, dp2), but
+# Adam's first updates (about lr * sign(g) where g ~ 0) turn rounding into weight differences that the SSM's
+# long sums over tokens amplify: up to 3e-4 after 3 steps (measured, IDS dp2).
+RECURRENT_GRAD_TOL = 1e-3
 
 PATTERNS = [
     "S",
+    "I",
+    "D",
+    "IDS",
 ]
 LAYOUTS_2 = {"tp2": dict(tp=2), "tp2_sp": dict(tp=2, sequence_parallel=True), "dp2": dict(dp=2)}
 LAYOUTS_4 = {"tp2_dp2_sp": dict(tp=2, dp=2, sequence_parallel=True)}
@@ -25,7 +32,7 @@ def _train_layouts(rank, world, layouts, steps):
 
     out = {}
     for pattern in PATTERNS:
-        cfg = preset("tiny", pattern=pattern, num_layers=max(2, len(pattern)))
+        cfg = preset("tiny", pattern=pattern, num_layers=max(2, len(pattern)), interdomain={"modes": 8})
         for name, dims in layouts.items():
             groups = init_distributed(ParallelLayout(**dims))
             model = build_model(cfg, groups.layout)
@@ -53,5 +60,6 @@ def test_losses_and_grads_match_across_layouts(reference, world, layouts):
             assert losses == pytest.approx(ref_losses, rel=LOSS_TOL), f"{where} losses {losses} vs {ref_losses}"
             assert grads.keys() == ref_grads.keys(), where
             for key in ref_grads:
-                assert_close(grads[key], ref_grads[key], GRAD_TOL, f"{where} grad {key}")
+                tol = RECURRENT_GRAD_TOL if set(pattern) & {"I", "D"} else GRAD_TOL
+                assert_close(grads[key], ref_grads[key], tol, f"{where} grad {key}")
             assert ref_losses[2] < ref_losses[0], f"{where}: training did not reduce the loss"

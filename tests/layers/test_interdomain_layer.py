@@ -149,3 +149,26 @@ def test_discretization_and_init():
     assert torch.allclose(torch.complex(b[..., 0], b[..., 1]), expect, rtol=1e-5)
     lin = S4DCore(Dims(3, slice(0, 3), 16, 16, M, 4), tiny("I", init="lin").interdomain)
     assert torch.allclose(lin.a_im[1], torch.pi * n.float())
+
+
+ZERO_VARIANTS = {  # model.pattern=ID through `megahybrid train`'s Trainer, 2 ranks
+    "zero1_dp2": {},
+    "zero2_tp2_sp": {"parallel.tp": 2, "parallel.sequence_parallel": True, "train.deepspeed_config": "zero2"},
+    "zero3_tp2": {"parallel.tp": 2, "train.deepspeed_config": "zero3"},
+}
+
+
+@pytest.mark.dist
+def test_train_id_under_zero_stages(tmp_path):
+    from megahybrid.data.builtin import prepare_builtin
+    from tests.test_train_zero import LOSS_TOL, _train_variants
+
+    data_dir = str(tmp_path / "builtin")
+    prepare_builtin(data_dir, vocab_size=512, num_docs=2000)
+    common = {"model.pattern": "ID", "model.interdomain.modes": 8}
+    variants = {name: {**common, **extra} for name, extra in ZERO_VARIANTS.items()}
+    for losses in run_on_ranks(_train_variants, 2, str(tmp_path / "runs"), data_dir, variants):
+        reference = losses["zero1_dp2"]
+        assert reference[-1] < reference[0], reference
+        for name, got in losses.items():
+            assert got == pytest.approx(reference, rel=LOSS_TOL), f"{name}: {got} vs {reference}"
