@@ -44,10 +44,17 @@ class SDPAttention(MegatronModule):
         if packed_seq_params is not None or attention_bias is not None:
             raise ValueError("SDPAttention does not support packed sequences or attention bias")
         q_BHSD, k_BHSD, v_BHSD = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+        # Decoding hands over the cached keys too (queries are the last positions): SDPA's is_causal aligns the
+        # mask top-left, so a shorter query block gets the bottom-right causal mask explicitly.
+        sq, sk = q_BHSD.shape[2], k_BHSD.shape[2]
+        mask = None
+        if sq != sk:
+            mask = torch.ones(sq, sk, dtype=torch.bool, device=q_BHSD.device).tril(diagonal=sk - sq)
         out_BHSD = F.scaled_dot_product_attention(
             q_BHSD, k_BHSD, v_BHSD,
+            attn_mask=mask,
             dropout_p=self.dropout_p if self.training else 0.0,
-            is_causal=True,
+            is_causal=mask is None,
             scale=self.softmax_scale,
             enable_gqa=q_BHSD.shape[1] != k_BHSD.shape[1],
         )
