@@ -182,9 +182,12 @@ class Trainer:
                 "stop": flags[2].item() > 0, "grad_norm": float(norm) if norm is not None else float("nan")}
 
     def _loss(self, batch: dict) -> torch.Tensor:
+        from megahybrid.model.cp import shard_batch
         from megahybrid.model.gpt import lm_loss
 
-        return lm_loss(self.engine, batch["tokens"], batch["labels"], batch["loss_mask"])
+        batch = shard_batch(batch, self.groups.cp_rank, self.groups.layout.cp)
+        cp_group = self.groups.cp_group if self.groups.layout.cp > 1 else None
+        return lm_loss(self.engine, batch["tokens"], batch["labels"], batch["loss_mask"], cp_group)
 
     @torch.no_grad()
     def evaluate(self) -> dict | None:
