@@ -122,7 +122,7 @@ def test_train_command_at_cp2_matches_cp1_and_resumes(tmp_path):
     run(_args(two, data_dir, 6, "parallel.cp=2", "debug.sigkill_after_step=4"), world=2, expect=-signal.SIGKILL)
     assert latest(two) == "step_00000003"
     (_, stdout, _), _ = run(_args(two, data_dir, 6, "parallel.cp=2"), world=2)
-    assert "resumed from" in stdout and "cp=2" in stdout
+    assert "resumed from" in stdout and "cp=2" in stdout and "cp_bytes_sent_per_layer_per_sequence=S:" in stdout
     ref, got = losses(one), losses(two)
     assert sorted(got) == sorted(ref) == list(range(1, 7))
     for step in ref:

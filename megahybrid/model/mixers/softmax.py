@@ -106,5 +106,12 @@ def softmax_state_floats(cfg, context: int) -> int:
     return 2 * cfg.kv_heads * cfg.head_dim * context
 
 
+def softmax_cp_bytes(cfg, cp: int, element_bytes: int) -> int:
+    """Forward: a ring all-gather of this shard's K and V, (cp - 1) shards each; backward: an all-reduce of their
+    gradients over the gathered length, 2 (cp - 1) shards each (gloo has no reduce-scatter)."""
+    shard = cfg.kv_heads * cfg.head_dim * (cfg.seq_length // cp) * element_bytes
+    return 2 * 3 * (cp - 1) * shard
+
+
 SOFTMAX = Mixer("S", "softmax attention", softmax_spec, softmax_params, softmax_flops, softmax_state_floats,
-                chunk_size=1, cp=True, cache="KV cache")
+                chunk_size=1, cp=True, cp_bytes=softmax_cp_bytes, cache="KV cache")
