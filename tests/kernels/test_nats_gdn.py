@@ -243,7 +243,8 @@ def grid_errors(K, V, dtype, Ts, B=2, H=2):
         inputs = make_inputs(B, T, H, K, V, dtype=getattr(torch, dtype), seed=T + K + V)
         try:
             with nan_poisoned_empty():
-                out[T] = errors_vs_naive(inputs, decay_dropped=T % 2 == 0)[0]
+                # both rollback rules and both dkeep options across the two short lengths
+                out[T] = errors_vs_naive(inputs, decay_dropped=T < 200, dkeep_dropped=T >= 200)[0]
         except ValueError as e:
             out[T] = f"refused: {e}"
     return out
