@@ -114,7 +114,17 @@ class S4DCore(torch.nn.Module):
         self.B = _ssm_param(_shard(torch.stack((torch.ones(H, M), torch.zeros(H, M)), -1), dims.local), cap)
 
     def discretized(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """decay [H, M, 2] = (Re, Im) of Delta A and b [H, M, 2] = (lambda - 1) / A * B (zero-order hold)."""
+        """decay [H, M, 2] = (Re, Im) of Delta A and b [H, M, 2] = (lambda - 1) / A * B (zero-order hold).
+        Without autograd the same tensors come back until a parameter changes: the op checks a decay tensor's
+        values once (a host sync), so decode steps pass it one checked tensor and stay CUDA-graph capturable."""
+        if torch.is_grad_enabled():
+            return self._discretize()
+        key = tuple((p.data_ptr(), p._version) for p in self.parameters())
+        if getattr(self, "_memo", (None,))[0] != key:
+            self._memo = (key, self._discretize())
+        return self._memo[1]
+
+    def _discretize(self) -> tuple[torch.Tensor, torch.Tensor]:
         A = torch.complex(-torch.exp(self.a_re.float()), self.a_im.float())
         dA = torch.exp(self.log_dt.float())[:, None] * A
         b = torch.expm1(dA) / A * torch.complex(self.B[..., 0].float(), self.B[..., 1].float())
