@@ -24,6 +24,13 @@ The cells (each its own spec function below): the input side is `DualInput` ([xi
 every channel, kernels/interdomain/s4d.py; the mixer then outputs R + d_h channels per head). The state per head
 is 2 (R + d_h) M real numbers in every cell.
 
+Parameters: Delta, A, B, C and the input norms' scales and biases are created fp32 (whatever params_dtype) and
+tagged `lr_cap` (megahybrid.train.engine.param_groups: their own group, lr = min(lr, interdomain.ssm_lr), no
+weight decay). Under DeepSpeed bf16 the engine casts every module parameter to bf16 (it keeps only buffers in
+fp32), so their fp32 values live where all trained values do: ZeRO's fp32 master partitions (stage 1/2:
+`single_partition_of_fp32_groups`, stage 3: `fp32_partitioned_groups_flat`); the layer reads the module copy and
+computes the discretization, C and the ops' state in fp32.
+
 What the module takes from TransformerLayer and ignores: attention_mask (the mixer is causal by construction),
 rotary_pos_emb / rotary_pos_cos / rotary_pos_sin (it applies its own RoPE over R, which need not be the softmax
 head dim; positions start at the inference offset), attention_bias; packed_seq_params must be None (documents
@@ -181,11 +188,11 @@ def feature_map(x: torch.Tensor) -> torch.Tensor:
 
 class _Input(torch.nn.Module):
     """One fused ColumnParallelLinear for the segments of every head (head-major, so a TP shard is whole heads),
-    then a causal conv over the leading `conv` segments. Subclasses name the segments and their treatment."""
+    then a causal conv over the leading (`convolved`) segments. Subclasses name the segments and their treatment."""
 
     segments: tuple[str, ...] = ()
     convolved: tuple[str, ...] = ()
-    keyed: str = ""  # the key / a-half segment: RoPE when on, the feature map for dual inputs
+    keyed: str = ""  # the key / a-half segment, which gets RoPE with q when RoPE is on
     mapped: tuple[str, ...] = ()  # segments through xi
 
     def __init__(self, config, cfg, dims: Dims, query: bool, use_rope: bool):
@@ -353,7 +360,9 @@ class InterdomainMixer(MegatronModule):
         parts, tail = self.inputs(hidden, initial.conv, offset)
         decay, b = self.core.discretized()
         o, state = self.readout(parts, decay, b, initial.core)
-        self._last = (tuple(state), parts)
+        key = parts.get("k", parts.get("a")).detach()
+        # small tensors only (no host sync, no activation kept); tensorboard_scalars reduces them when asked
+        self._last = (tuple(s.detach() for s in state), key.float().norm(dim=-1).mean())
         B, T = o.shape[:2]
         o = o.reshape(B, T, -1).transpose(0, 1)
         if self.gate is not None:
@@ -378,17 +387,18 @@ class InterdomainMixer(MegatronModule):
         return out, None
 
     def tensorboard_scalars(self) -> dict[str, float]:
-        """From the last forward's tensors, reduced only when asked (the trainer asks on logging steps)."""
+        """From the last forward, reduced only when asked (the trainer asks on logging steps), over this rank's
+        heads: state_norm = mean over sequences of the final state's l2 norm; lambda_min / lambda_median of |lambda|
+        (memory length ~ 1 / (1 - |lambda|) tokens); feature_norm = mean l2 norm of k~ (the a-half for [a, b])."""
         if self._last is None:
             return {}
-        state, parts = self._last
+        state, feature_norm = self._last
         mags = self.core.magnitudes().detach().flatten()
-        key = parts.get("k", parts.get("a"))
         return {
-            "state_norm": float(torch.sqrt(sum(s.detach().float().pow(2).sum() for s in state)) / state[0].shape[0]),
+            "state_norm": float(torch.sqrt(sum(s.float().pow(2).flatten(1).sum(1) for s in state)).mean()),
             "lambda_min": float(mags.min()),
             "lambda_median": float(mags.median()),
-            "feature_norm": float(key.detach().float().norm(dim=-1).mean()),
+            "feature_norm": float(feature_norm),
         }
 
 
