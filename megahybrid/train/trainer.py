@@ -2,8 +2,9 @@
 logging, evaluation, checkpoints, signal handling and non-finite-loss skipping.
 
 Exit codes (also in megahybrid/train/README.md): 0 finished; 1 crashed; 2 user error (config, data, launch,
-checkpoint); 3 stopped by SIGTERM/SIGUSR1 after saving a checkpoint (requeue and it resumes); 4 stopped after
-`train.max_consecutive_nonfinite` non-finite losses in a row (checkpoint saved).
+checkpoint, output directories); 3 stopped by SIGTERM/SIGUSR1/Ctrl-C after saving a checkpoint, or during start-up
+with nothing to save (requeue and it resumes); 4 stopped after `train.max_consecutive_nonfinite` non-finite losses
+or gradient norms in a row (checkpoint saved); 130 a second Ctrl-C aborted without saving.
 """
 import logging
 import math
@@ -17,14 +18,15 @@ import torch
 import torch.distributed as dist
 
 from megahybrid.errors import UserError
-from megahybrid.train.checkpoint import CheckpointManager
+from megahybrid.train import rundir
+from megahybrid.train.checkpoint import CheckpointManager, all_gather
 from megahybrid.train.config import RunConfig, validate, zero_stage
 from megahybrid.train.data import build_splits, prepare_data, train_loader, valid_loader
 from megahybrid.train.engine import LRSchedule, build_engine, set_lr
 from megahybrid.train.metrics import TrainLogger, flops_per_token, memory_mib, model_metrics, say
+from megahybrid.train.signals import EXIT_ABORTED, EXIT_REQUEUE, install_stop_handlers
 
-EXIT_OK, EXIT_CRASH, EXIT_USER_ERROR, EXIT_REQUEUE, EXIT_NONFINITE = 0, 1, 2, 3, 4
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+EXIT_OK, EXIT_CRASH, EXIT_USER_ERROR, EXIT_NONFINITE = 0, 1, 2, 4
 
 
 @dataclass
@@ -47,22 +49,6 @@ def make_plan(cfg: RunConfig, world_size: int) -> Plan:
     return Plan(cfg, model, layout, ds_base, precision, data, world_size)
 
 
-class StopRequest:
-    """Records SIGTERM / SIGUSR1; the loop finishes its step, saves and exits with EXIT_REQUEUE."""
-
-    def __init__(self):
-        self.signal_name = None
-        for sig in STOP_SIGNALS:
-            signal.signal(sig, self._handle)
-
-    def _handle(self, signum, frame):
-        self.signal_name = signal.Signals(signum).name
-
-    @property
-    def requested(self) -> bool:
-        return self.signal_name is not None
-
-
 def set_deterministic(enabled: bool) -> None:
     """Bitwise-reproducible kernels. CUBLAS_WORKSPACE_CONFIG must be set before CUDA starts (the CLI does it)."""
     if not enabled:
@@ -83,6 +69,7 @@ class Trainer:
         set_deterministic(self.cfg.train.deterministic)
         self.groups = init_distributed(plan.layout, seed=self.cfg.train.seed)
         self.is_logger = self.groups.is_loss_rank
+        self._claim_outputs()
         _quiet_deepspeed()
         self.model = build_model(plan.model, plan.layout, plan.precision)
         self.engine, self.optimizer, self.ds_config = build_engine(
@@ -104,7 +91,22 @@ class Trainer:
         self.logger = TrainLogger(self.is_logger, self.cfg.run_dir,
                                   self.cfg.tensorboard_dir if self.cfg.logging.tensorboard else None,
                                   self.cfg.train.steps)
-        self.stop = StopRequest()
+        self.stop = install_stop_handlers()
+        self.stop.defer()
+
+    def _claim_outputs(self) -> None:
+        """Every output directory writable (all ranks) and locked (rank 0) before any work; same error on all ranks."""
+        problem = None
+        try:
+            for field, path in rundir.output_dirs(self.cfg).items():
+                rundir.preflight(field, path)
+            if self.groups.rank == 0:
+                rundir.lock_outputs(self.cfg)
+        except UserError as err:
+            problem = str(err)
+        problems = [p for p in all_gather(problem) if p]
+        if problems:
+            raise UserError(problems[0])
 
     def _warn(self, message: str) -> None:
         if self.is_logger:
@@ -118,7 +120,13 @@ class Trainer:
         self.ckpt.clean_stale()
         tag = self.ckpt.find_loadable()
         if tag is None:
+            if self.ckpt.tags():
+                raise UserError(
+                    f"checkpoint.dir {self.cfg.checkpoint_dir} holds checkpoints {self.ckpt.tags()} and none can be "
+                    "loaded (warnings above); nothing was changed: repair or restore them, or pass --no-resume with "
+                    "another checkpoint.dir (or run_dir)")
             return None
+        self.ckpt.check_model(tag, self.plan.model)
         state = self.ckpt.load(self.engine, tag, self.layout_dict())
         self.step = state["step"]
         self.consumed_samples = state["consumed_samples"]
@@ -308,8 +316,9 @@ def train(cfg: RunConfig, resume: bool = True) -> int:
     try:
         return Trainer(plan, resume=resume).run()
     finally:
+        rundir.release_all()
         shutdown()
 
 
 __all__ = ["train", "make_plan", "Trainer", "EXIT_OK", "EXIT_CRASH", "EXIT_USER_ERROR", "EXIT_REQUEUE",
-           "EXIT_NONFINITE", "UserError"]
+           "EXIT_NONFINITE", "EXIT_ABORTED", "UserError"]
