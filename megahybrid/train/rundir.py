@@ -1,7 +1,7 @@
 """Output directories of a run, checked and claimed before the first step.
 
-`preflight` creates every output directory and writes, fsyncs and removes a probe file in it, so a read-only or
-missing place fails in seconds with one line instead of at the first save. `RunDirLock` makes a run directory
+Every output directory is created and probed (megahybrid.outputs.check_writable) before the first step, so a
+read-only or missing place fails in seconds with one line instead of at the first save. `RunDirLock` makes a run directory
 exclusive: the holder keeps an flock on `.megahybrid.lock` (the kernel drops it when the process dies, however
 it dies) and writes its pid and host into the file for the message the next run prints. Where the filesystem has
 no flock the record alone decides: a record of a dead pid on this host is stale and taken over.
@@ -24,21 +24,6 @@ def output_dirs(cfg) -> dict[str, str]:
     if cfg.logging.tensorboard:
         dirs["logging.tensorboard_dir"] = cfg.tensorboard_dir
     return dirs
-
-
-def preflight(field: str, path: str) -> None:
-    """Create `path` and prove it takes a file: write, fsync, remove. One-line UserError otherwise."""
-    probe = os.path.join(path, f".probe-{socket.gethostname()}-{os.getpid()}")
-    try:
-        os.makedirs(path, exist_ok=True)
-        with open(probe, "wb") as f:
-            f.write(b"probe")
-            f.flush()
-            os.fsync(f.fileno())
-        os.remove(probe)
-    except OSError as err:
-        raise UserError(f"{field}={path} is not a writable directory ({err.strerror or err}); "
-                        "choose another path") from None
 
 
 def _alive(pid: int) -> bool:

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from megahybrid.errors import UserError
+from megahybrid.outputs import check_writable
 from megahybrid.train import rundir
 from megahybrid.train.checkpoint import CheckpointManager, all_gather
 from megahybrid.train.config import RunConfig, validate, zero_stage
@@ -87,6 +88,9 @@ class Trainer:
                                       hooks=self._checkpoint_hook)
         self.resume_tag = self._resume() if resume else self._refuse_existing()
         train_ds, self.valid_ds = build_splits(self.cfg, plan.data, plan.model.seq_length, self.groups)
+        if self.valid_ds is None and self.cfg.eval.iters > 0:
+            self._warn(f"warning: eval.iters={self.cfg.eval.iters} but the validation split is empty (data.split="
+                       f"{plan.data.split}): no validation; give it a share in data.split or set eval.iters=0")
         self.loader = train_loader(self.cfg, train_ds, self.groups, self.consumed_samples, plan.data.num_workers)
         self.logger = TrainLogger(self.is_logger, self.cfg.run_dir,
                                   self.cfg.tensorboard_dir if self.cfg.logging.tensorboard else None,
@@ -99,7 +103,7 @@ class Trainer:
         problem = None
         try:
             for field, path in rundir.output_dirs(self.cfg).items():
-                rundir.preflight(field, path)
+                check_writable(field, path)
             if self.groups.rank == 0:
                 rundir.lock_outputs(self.cfg)
         except UserError as err:
@@ -182,10 +186,12 @@ class Trainer:
             self.engine.step()
         finally:
             self.optimizer.skipping = False
+        norm = self.engine.get_global_grad_norm()
+        # ZeRO drops the update itself when the global norm is inf/NaN; we count it like a non-finite loss.
+        skip = skip or (norm is not None and not math.isfinite(float(norm)))
         self.step += 1
         self.skipped += int(skip)
         self.consecutive_nonfinite = self.consecutive_nonfinite + 1 if skip else 0
-        norm = self.engine.get_global_grad_norm()
         return {"loss": flags[0].item() / (self.gas * dist.get_world_size()), "lr": lr, "skip": skip,
                 "stop": flags[2].item() > 0, "grad_norm": float(norm) if norm is not None else float("nan")}
 
@@ -292,7 +298,7 @@ class Trainer:
             print(f"received {self.stop.signal_name or 'a stop signal on another rank'}: saved {path}; exiting with "
                   f"code {EXIT_REQUEUE} so the launcher can requeue (the next start resumes there)", flush=True)
         elif code == EXIT_NONFINITE:
-            print(f"error: {self.consecutive_nonfinite} steps in a row had a non-finite loss (last: step {self.step}); "
+            print(f"error: {self.consecutive_nonfinite} steps in a row had a non-finite loss or gradient norm (last: step {self.step}); "
                   f"saved {path}; lower optimizer.lr, raise optimizer.warmup_steps or check the data, then resume",
                   file=sys.stderr, flush=True)
         else:
