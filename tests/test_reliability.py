@@ -1,0 +1,290 @@
+"""Issue 21: hostile or careless inputs to `megahybrid train` and the data tools get a one-line error or a safe
+outcome. The checks that end before (or soon after) the first step run in ONE subprocess that calls the CLI's
+`main` once per case (one import of torch/DeepSpeed for all); the signal checks need their own processes."""
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.test_train_resume import REPO, _args, _env, _wait_for_step, finish, launch, losses
+
+MODEL_FILE = "mp_rank_00_model_states.pt"
+
+
+class _Payload:
+    """A pickle that runs a shell command when unpickled with weights_only=False."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def _plant(step_dir, rel, marker) -> None:
+    """Replace a checkpoint file by a malicious pickle and re-sign the manifest, as an attacker would."""
+    import hashlib
+
+    import torch
+
+    path = os.path.join(step_dir, rel)
+    torch.save({"module": _Payload(marker)}, path)
+    with open(os.path.join(step_dir, "manifest.json")) as f:
+        manifest = json.load(f)
+    with open(path, "rb") as f:
+        manifest["files"][rel] = {"size": os.path.getsize(path), "sha256": hashlib.sha256(f.read()).hexdigest()}
+    with open(os.path.join(step_dir, "manifest.json"), "w") as f:
+        json.dump(manifest, f)
+
+
+def _copy(root, name) -> str:
+    dst = os.path.join(root, name)
+    shutil.copytree(os.path.join(root, "trained"), dst)
+    return dst
+
+
+def _ckpt(run_dir, tag="step_00000002") -> str:
+    return os.path.join(run_dir, "checkpoints", tag)
+
+
+def _snapshot(run_dir) -> dict:
+    """Every file under checkpoints/ with its bytes' hash: proves a run left them alone."""
+    import hashlib
+
+    out = {}
+    for base, _, files in os.walk(os.path.join(run_dir, "checkpoints")):
+        for name in files:
+            with open(os.path.join(base, name), "rb") as f:
+                out[os.path.relpath(os.path.join(base, name), run_dir)] = hashlib.sha256(f.read()).hexdigest()
+    return out
+
+
+def _main(argv, fsize=None) -> dict:
+    """megahybrid's CLI in this process; returns exit code and output (a file-size limit simulates a full disk)."""
+    import contextlib
+    import io
+    import resource
+
+    from megahybrid.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    limits = resource.getrlimit(resource.RLIMIT_FSIZE)
+    if fsize:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, limits[1]))
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = main(argv)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limits)
+    return {"code": code, "stdout": out.getvalue(), "stderr": err.getvalue()}
+
+
+def _cases(root: str, data_dir: str) -> dict:
+    """Runs in the subprocess: a 2-step run with a checkpoint, then each hostile case on a copy of it."""
+    from megahybrid.train.rundir import RunDirLock
+
+    def args(run_dir, steps, *extra):
+        return _args(run_dir, data_dir, steps, "checkpoint.interval=2", "data.split=100,0,0", *extra)
+
+    trained = os.path.join(root, "trained")
+    results = {"trained": _main(args(trained, 2))}
+    code = _copy(root, "code")
+    _plant(_ckpt(code), MODEL_FILE, os.path.join(root, "pwned-model"))
+    results["code"] = _main(args(code, 4))
+    rng = _copy(root, "rng")
+    _plant(_ckpt(rng), "rng/rank_00000.pt", os.path.join(root, "pwned-rng"))
+    results["rng"] = _main(args(rng, 4))
+    unusable = _copy(root, "unusable")
+    os.remove(os.path.join(_ckpt(unusable), "manifest.json"))
+    results["unusable_before"] = _snapshot(unusable)
+    results["unusable"] = _main(args(unusable, 4))
+    results["unusable_after"] = _snapshot(unusable)
+    results["arch"] = _main(args(_copy(root, "arch"), 4, "model.hidden_size=128", "model.num_layers=4"))
+    locked = _copy(root, "locked")
+    lock = RunDirLock(locked)
+    lock.acquire()
+    results["locked"] = _main(args(locked, 4))
+    lock.release()
+    results["locked_released"] = _main(args(locked, 3))
+    results["proc"] = _main(args(os.path.join(root, "proc"), 4, "checkpoint.dir=/proc/ckpt"))
+    open(os.path.join(root, "a_file"), "w").close()
+    results["file_run_dir"] = _main(args(os.path.join(root, "a_file"), 4))
+    results["disk_full"] = _main(args(_copy(root, "disk_full"), 3), fsize=300_000)
+    results["lr"] = _main(args(os.path.join(root, "lr"), 8, "optimizer.lr=1e4", "optimizer.min_lr=0",
+                               "train.max_consecutive_nonfinite=2", "checkpoint.interval=100"))
+    return results
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    from megahybrid.data.builtin import prepare_builtin
+
+    path = tmp_path_factory.mktemp("builtin")
+    prepare_builtin(str(path), vocab_size=512, num_docs=2000)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def cases(data_dir, tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("cases"))
+    # Another job holds the default-looking port: a one-rank run must not need it (issue case 10).
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        env = _env({"MASTER_PORT": str(busy.getsockname()[1])})
+        script = (f"import json, sys; from tests.test_reliability import _cases; "
+                  f"json.dump(_cases({root!r}, {data_dir!r}), open({root!r} + '/results.json', 'w'))")
+        proc = subprocess.run([sys.executable, "-c", script], env=env, cwd=REPO, capture_output=True, text=True,
+                              timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    with open(os.path.join(root, "results.json")) as f:
+        return root, json.load(f)
+
+
+def _error_line(result, code=2) -> str:
+    """The run's exit code is `code` and its last stderr line is one `error: ...` line without a traceback."""
+    assert result["code"] == code, (result["code"], result["stderr"][-3000:])
+    assert "Traceback" not in result["stderr"], result["stderr"][-3000:]
+    last = result["stderr"].strip().splitlines()[-1]
+    assert last.startswith("error: "), result["stderr"][-3000:]
+    return last
+
+
+def test_trained_run_warns_once_about_empty_validation_and_needs_no_port(cases):
+    _, results = cases
+    result = results["trained"]
+    assert result["code"] == 0, result["stderr"][-3000:]
+    assert result["stderr"].count("warning: eval.iters=1 but the validation split is empty") == 1
+
+
+@pytest.mark.parametrize("case,marker", [("code", "pwned-model"), ("rng", "pwned-rng")])
+def test_checkpoint_that_runs_code_is_refused(cases, case, marker):
+    root, results = cases
+    line = _error_line(results[case])
+    assert "refers to Python objects a checkpoint may not contain (posix.system)" in line, line
+    assert not os.path.exists(os.path.join(root, marker)), "the pickle ran"
+
+
+def test_all_checkpoints_unusable_stops_and_touches_nothing(cases):
+    _, results = cases
+    line = _error_line(results["unusable"])
+    assert "holds checkpoints ['step_00000002'] and none can be loaded" in line and "--no-resume" in line, line
+    assert results["unusable_after"] == results["unusable_before"]
+
+
+def test_resume_with_another_architecture_names_the_fields(cases):
+    _, results = cases
+    line = _error_line(results["arch"])
+    assert "model.hidden_size 64 -> 128" in line and "model.num_layers 2 -> 4" in line, line
+
+
+def test_second_run_on_a_locked_run_dir_is_refused(cases):
+    root, results = cases
+    line = _error_line(results["locked"])
+    assert f"run_dir={os.path.join(root, 'locked')} is in use by another run (pid" in line, line
+    assert f"on host {socket.gethostname()}" in line
+    assert results["locked_released"]["code"] == 0, results["locked_released"]["stderr"][-3000:]
+
+
+def test_stale_lock_of_a_killed_run_is_taken_over(tmp_path):
+    from megahybrid.train.rundir import RunDirLock
+
+    holder = ("import os, sys; from megahybrid.train.rundir import RunDirLock; "
+              f"RunDirLock({str(tmp_path)!r}).acquire(); os.kill(os.getpid(), 9)")
+    proc = subprocess.run([sys.executable, "-c", holder], env=_env(), cwd=REPO)
+    assert proc.returncode == -signal.SIGKILL
+    with open(tmp_path / ".megahybrid.lock") as f:
+        assert json.load(f)["pid"] != os.getpid()
+    lock = RunDirLock(str(tmp_path))
+    lock.acquire()
+    lock.release()
+
+
+def test_lock_without_flock_decides_by_pid_and_host(tmp_path, monkeypatch):
+    import errno
+    import fcntl
+
+    from megahybrid.errors import UserError
+    from megahybrid.train.rundir import RunDirLock
+
+    def no_flock(fd, op):
+        raise OSError(errno.ENOLCK, "no locks")
+
+    monkeypatch.setattr(fcntl, "flock", no_flock)
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    record = {"pid": int(dead.stdout), "host": socket.gethostname(), "since": 0}
+    (tmp_path / ".megahybrid.lock").write_text(json.dumps(record))
+    first = RunDirLock(str(tmp_path))
+    first.acquire()  # the recorded pid is gone: stale
+    with pytest.raises(UserError, match=f"in use by another run \\(pid {os.getpid()} on host"):
+        RunDirLock(str(tmp_path)).acquire()
+    first.release()
+
+
+def test_unwritable_outputs_fail_before_the_first_step(cases):
+    root, results = cases
+    line = _error_line(results["proc"])
+    assert "checkpoint.dir=/proc/ckpt is not a writable directory" in line, line
+    assert not os.path.exists(os.path.join(root, "proc", "metrics.jsonl")), "it trained before failing"
+    line = _error_line(results["file_run_dir"])
+    assert f"run_dir={os.path.join(root, 'a_file')} is not a writable directory" in line, line
+
+
+def test_full_disk_during_save_is_one_line_and_keeps_the_previous_checkpoint(cases):
+    from megahybrid.train.checkpoint import CheckpointManager
+
+    root, results = cases
+    line = _error_line(results["disk_full"])
+    assert "saving checkpoint step_00000003" in line and "step_00000002 and latest are intact" in line, line
+    ckpts = os.path.join(root, "disk_full", "checkpoints")
+    assert sorted(n for n in os.listdir(ckpts) if not n.startswith(".megahybrid")) == ["latest", "step_00000002"]
+    assert CheckpointManager(ckpts, keep=2).find_loadable() == "step_00000002"
+
+
+def test_nonfinite_grad_norm_counts_as_skipped_and_stops(cases):
+    root, results = cases
+    line = _error_line(results["lr"], code=4)
+    assert "steps in a row had a non-finite loss or gradient norm" in line, line
+    with open(os.path.join(root, "lr", "metrics.jsonl")) as f:
+        records = [json.loads(r) for r in f if "train/grad_norm" in r]
+    bad = [r["step"] for r in records if r["train/grad_norm"] in ("inf", "nan")]
+    assert len(bad) == 2 and records[-1]["train/skipped_steps"] == 2, records
+
+
+def test_safe_load_reads_every_file_of_a_real_checkpoint(cases):
+    from megahybrid.train.checkpoint import safe_load
+
+    root, _ = cases
+    step = _ckpt(os.path.join(root, "trained"))
+    names = [MODEL_FILE, "rng/rank_00000.pt"] + [n for n in os.listdir(step) if n.endswith("optim_states.pt")]
+    for name in names:
+        assert isinstance(safe_load(os.path.join(step, name)), dict), name
+
+
+def test_signals_ctrl_c_saves_second_aborts_early_sigterm_says_so(data_dir, tmp_path):
+    runs = {name: str(tmp_path / name) for name in ("once", "twice", "early")}
+    slow = ("debug.sleep_per_step=0.5", "checkpoint.interval=1000")
+    procs = {name: launch(_args(path, data_dir, 200, *slow)) for name, path in runs.items()}
+    time.sleep(2.0)  # "early": handlers are installed, torch is still importing
+    procs["early"][0].send_signal(signal.SIGTERM)
+    _wait_for_step(runs["once"], 2, procs["once"])
+    procs["once"][0].send_signal(signal.SIGINT)
+    _wait_for_step(runs["twice"], 2, procs["twice"])
+    procs["twice"][0].send_signal(signal.SIGINT)
+    time.sleep(0.1)
+    procs["twice"][0].send_signal(signal.SIGINT)
+    (once,), (twice,), (early,) = (finish(procs[name]) for name in ("once", "twice", "early"))
+    assert once[0] == 3 and "received SIGINT: saved" in once[1] and "Traceback" not in once[2], once[2][-3000:]
+    stopped = max(losses(runs["once"]))
+    assert os.path.isdir(os.path.join(runs["once"], "checkpoints", f"step_{stopped:08d}"))
+    assert twice[0] == 130 and "Traceback" not in twice[2], twice[2][-3000:]
+    assert twice[2].strip().splitlines()[-1].startswith("error: second SIGINT: aborted without saving")
+    assert early[0] == 3 and "Traceback" not in early[2], early[2][-3000:]
+    assert "received SIGTERM during start-up, before the first step: nothing to save" in early[2]
