@@ -13,6 +13,7 @@ import time
 import pytest
 
 from tests.test_train_resume import REPO, _args, _env, _wait_for_step, finish, launch, losses
+from tests.utils import requires_gpu
 
 MODEL_FILE = "mp_rank_00_model_states.pt"
 
@@ -119,6 +120,8 @@ def _cases(root: str, data_dir: str) -> dict:
     results["disk_full"] = _main(args(_copy(root, "disk_full"), 3), fsize=300_000)
     results["lr"] = _main(args(os.path.join(root, "lr"), 8, "optimizer.lr=1e4", "optimizer.min_lr=0",
                                "train.max_consecutive_nonfinite=2", "checkpoint.interval=100"))
+    zero3 = os.path.join(root, "zero3")
+    results["zero3"] = [_main(args(zero3, steps, "train.deepspeed_config=zero3")) for steps in (2, 3)]
     return results
 
 
@@ -268,6 +271,27 @@ def test_safe_load_reads_every_file_of_a_real_checkpoint(cases):
         assert isinstance(safe_load(os.path.join(step, name)), dict), name
 
 
+def test_zero3_checkpoint_resumes_through_the_safe_loader(cases):
+    _, results = cases
+    first, resumed = results["zero3"]
+    assert first["code"] == 0 and resumed["code"] == 0, resumed["stderr"][-3000:]
+    assert "step_00000002 at step 2" in resumed["stdout"]
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("stage", ["zero1", "zero3"])
+def test_bf16_checkpoint_resumes_through_the_safe_loader_on_gpu(data_dir, tmp_path, stage):
+    """bf16 ZeRO files may pickle other DeepSpeed classes than fp32 ones: the allow-list must cover them."""
+    run_dir = str(tmp_path / stage)
+    for steps in (2, 3):
+        results = finish(launch(_args(run_dir, data_dir, steps, "checkpoint.interval=2",
+                                      f"train.deepspeed_config={stage}")))
+        code, stdout, stderr = results[0]
+        assert code == 0, stderr[-3000:]
+    assert "step_00000002 at step 2" in stdout
+
+
 def test_signals_ctrl_c_saves_second_aborts_early_sigterm_says_so(data_dir, tmp_path):
     runs = {name: str(tmp_path / name) for name in ("once", "twice", "early")}
     slow = ("debug.sleep_per_step=0.5", "checkpoint.interval=1000")
@@ -288,3 +312,106 @@ def test_signals_ctrl_c_saves_second_aborts_early_sigterm_says_so(data_dir, tmp_
     assert twice[2].strip().splitlines()[-1].startswith("error: second SIGINT: aborted without saving")
     assert early[0] == 3 and "Traceback" not in early[2], early[2][-3000:]
     assert "received SIGTERM during start-up, before the first step: nothing to save" in early[2]
+
+
+def _prefix_copy(data_dir, tmp_path) -> str:
+    prefix = str(tmp_path / "corpus")
+    for ext in (".bin", ".idx", ".json"):
+        shutil.copy(os.path.join(data_dir, "builtin_text_document" + ext), prefix + ext)
+    return prefix
+
+
+def test_bin_shorter_than_its_idx_is_refused_at_start(data_dir, tmp_path):
+    from megahybrid.data.config import DataConfig, DataError
+
+    prefix = _prefix_copy(data_dir, tmp_path)
+    size = os.path.getsize(prefix + ".bin")
+    os.truncate(prefix + ".bin", size // 2)
+    config = DataConfig(prefixes=[prefix], tokenizer_model=os.path.join(data_dir, "builtin-tokenizer.model"),
+                        split="100,0,0", cache_dir=str(tmp_path / "idx"))
+    with pytest.raises(DataError, match=f"corpus.bin has {size // 2} bytes but its .idx describes {size} "):
+        config.validate(128, 512)
+
+
+def test_bad_data_inputs_are_one_line(data_dir, tmp_path, capsys):
+    from megahybrid.data import cli
+    from megahybrid.data.config import DataConfig, DataError
+
+    garbage = tmp_path / "garbage.model"
+    garbage.write_bytes(os.urandom(1000))
+    config = DataConfig(prefixes=[_prefix_copy(data_dir, tmp_path)], tokenizer_model=str(garbage))
+    with pytest.raises(DataError, match="garbage.model is not a SentencePiece model"):
+        config.validate(128, 512)
+    tokenizer = os.path.join(data_dir, "builtin-tokenizer.model")
+    (tmp_path / "int.jsonl").write_text('{"text": "hello world"}\n{"text": 5}\n')
+    (tmp_path / "bad.jsonl").write_text('{"text": "a"}\n{"text": "b"}\n{"text": "c"\n{"text": "d"}\n')
+    (tmp_path / "ok.jsonl").write_text('{"text": "a b c"}\n')
+    expected = {
+        "int.jsonl": "record 2 has text=5 (int), not a string",
+        "bad.jsonl": "bad.jsonl line 3 is not valid JSON",
+        "ok.jsonl": "--output-prefix directory=/proc/x is not a writable directory",
+    }
+    for name, message in expected.items():
+        out = "/proc/x/out" if name == "ok.jsonl" else str(tmp_path / "out")
+        argv = ["preprocess", "--input", str(tmp_path / name), "--tokenizer", tokenizer, "--output-prefix", out,
+                "--hf-cache", str(tmp_path / "hf")]
+        assert cli.main(argv) == 2, name
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err[-1].startswith("error: ") and message in err[-1] and "Traceback" not in "".join(err), err
+    argv = ["preprocess", "--input", str(tmp_path / "ok.jsonl"), "--tokenizer", str(garbage), "--output-prefix",
+            str(tmp_path / "out")]
+    assert cli.main(argv) == 2 and "is not a SentencePiece model" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("text,message", [
+    ('[{"zero_optimization": {"stage": 1}}]', "holds a JSON list, not an object"),
+    ('{"zero_optimization": {"stage": 1}, "checkpoint": {"writer": {"type": "fast"}}}', "another checkpoint engine"),
+    ('{"zero_optimization": {"stage": 1}, "checkpoint": {"load_universal": true}}', "another checkpoint engine"),
+])
+def test_deepspeed_json_that_is_not_ours_to_load(tmp_path, text, message):
+    from megahybrid.errors import ConfigError
+    from megahybrid.train.config import load_deepspeed_config
+
+    path = tmp_path / "ds.json"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=message):
+        load_deepspeed_config(str(path))
+
+
+def _listening_addresses(port: int) -> set[str]:
+    """Local addresses (hex, as in /proc/net/tcp) of the sockets listening on `port`."""
+    with open("/proc/net/tcp") as f:
+        rows = [line.split() for line in f.readlines()[1:]]
+    return {row[1].split(":")[0] for row in rows if row[3] == "0A" and int(row[1].split(":")[1], 16) == port}
+
+
+def test_one_node_rendezvous_is_loopback_only(monkeypatch):
+    import datetime
+    import threading
+
+    import torch.distributed as dist
+
+    from megahybrid.distributed import _loopback_store
+    from megahybrid.errors import UserError
+    from tests.dist import free_port
+
+    port = free_port()
+    for key, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "GLOO_SOCKET_IFNAME": "lo",
+                       "NCCL_SOCKET_IFNAME": "lo"}.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+    timeout = datetime.timedelta(seconds=60)
+    assert isinstance(_loopback_store(0, 1, timeout), dist.HashStore)  # one rank: no socket, no port
+    stores = {}
+    master = threading.Thread(target=lambda: stores.update(master=_loopback_store(0, 2, timeout)))
+    master.start()
+    time.sleep(0.5)
+    stores["worker"] = _loopback_store(1, 2, timeout)
+    master.join(60)
+    stores["worker"].set("k", "v")
+    assert stores["master"].get("k") == b"v"
+    assert _listening_addresses(port) == {"0100007F"}, "the store listens beyond 127.0.0.1"
+    with pytest.raises(UserError, match=f"MASTER_PORT={port} on 127.0.0.1 is taken"):
+        _loopback_store(0, 2, timeout)
+    monkeypatch.setenv("MASTER_ADDR", "10.1.2.3")
+    assert _loopback_store(0, 2, timeout) is None  # several nodes: torch's env:// rendezvous (README)
