@@ -17,4 +17,5 @@ def check_writable(field: str, path: str, error=UserError) -> None:
             os.fsync(f.fileno())
         os.remove(probe)
     except OSError as err:
-        raise error(f"{field}={path} is not a writable directory ({err.strerror or err}); choose another path") from None
+        raise error(f"{field}={path} is not a writable directory ({err.strerror or err}); "
+                    "choose another path") from None

@@ -88,8 +88,9 @@ def safe_load(path: str, map_location=None):
     except pickle.UnpicklingError:
         allowed = {f"{g.__module__}.{g.__qualname__}" for g in deepspeed_globals()}
         names = [n for n in torch.serialization.get_unsafe_globals_in_checkpoint(path) if n not in allowed]
+        found = ", ".join(names) or "see torch.load"
         raise UserError(
-            f"checkpoint file {path} refers to Python objects a checkpoint may not contain ({', '.join(names) or 'see torch.load'}); "
+            f"checkpoint file {path} refers to Python objects a checkpoint may not contain ({found}); "
             "it was not loaded (README 'Checkpoints'): use a checkpoint from a trusted run, or pass --no-resume"
         ) from None
 

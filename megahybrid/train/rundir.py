@@ -1,10 +1,9 @@
-"""Output directories of a run, checked and claimed before the first step.
+"""One run per run directory.
 
-Every output directory is created and probed (megahybrid.outputs.check_writable) before the first step, so a
-read-only or missing place fails in seconds with one line instead of at the first save. `RunDirLock` makes a run directory
-exclusive: the holder keeps an flock on `.megahybrid.lock` (the kernel drops it when the process dies, however
-it dies) and writes its pid and host into the file for the message the next run prints. Where the filesystem has
-no flock the record alone decides: a record of a dead pid on this host is stale and taken over.
+`RunDirLock` makes a directory exclusive: the holder keeps an flock on `.megahybrid.lock` (the kernel drops it when
+the process dies, however it dies) and writes its pid and host into the file for the message a second run prints.
+Where the filesystem has no flock the record alone decides: a record of a dead pid on this host is stale and is
+taken over; a live pid, or any pid on another host, holds the directory.
 """
 import errno
 import fcntl

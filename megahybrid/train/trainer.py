@@ -298,7 +298,8 @@ class Trainer:
             print(f"received {self.stop.signal_name or 'a stop signal on another rank'}: saved {path}; exiting with "
                   f"code {EXIT_REQUEUE} so the launcher can requeue (the next start resumes there)", flush=True)
         elif code == EXIT_NONFINITE:
-            print(f"error: {self.consecutive_nonfinite} steps in a row had a non-finite loss or gradient norm (last: step {self.step}); "
+            print(f"error: {self.consecutive_nonfinite} steps in a row had a non-finite loss or gradient norm "
+                  f"(last: step {self.step}); "
                   f"saved {path}; lower optimizer.lr, raise optimizer.warmup_steps or check the data, then resume",
                   file=sys.stderr, flush=True)
         else:
