@@ -292,11 +292,23 @@ def test_bf16_checkpoint_resumes_through_the_safe_loader_on_gpu(data_dir, tmp_pa
     assert "step_00000002 at step 2" in stdout
 
 
+def _wait_for_handler(pid: int, sig: int, timeout: float = 60) -> None:
+    """Until process `pid` catches `sig` (its SigCgt mask in /proc)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with open(f"/proc/{pid}/status") as f:
+            caught = int(next(line for line in f if line.startswith("SigCgt:")).split()[1], 16)
+        if caught >> (sig - 1) & 1:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"process {pid} installed no handler for signal {sig}")
+
+
 def test_signals_ctrl_c_saves_second_aborts_early_sigterm_says_so(data_dir, tmp_path):
     runs = {name: str(tmp_path / name) for name in ("once", "twice", "early")}
     slow = ("debug.sleep_per_step=0.5", "checkpoint.interval=1000")
     procs = {name: launch(_args(path, data_dir, 200, *slow)) for name, path in runs.items()}
-    time.sleep(2.0)  # "early": handlers are installed, torch is still importing
+    _wait_for_handler(procs["early"][0].pid, signal.SIGTERM)  # installed first thing; torch is still importing
     procs["early"][0].send_signal(signal.SIGTERM)
     _wait_for_step(runs["once"], 2, procs["once"])
     procs["once"][0].send_signal(signal.SIGINT)
