@@ -100,16 +100,49 @@ def check_inputs(q, k, v, decay, b, initial_state, normalize, chunk_size, readou
 
 
 def _check_decay(decay):
-    """Reading decay's values syncs the GPU; a decoding loop passes one decay tensor every step, so a tensor already
-    checked (the same live object, unchanged in place since: same version counter) is not read again."""
+    """log|lambda| <= 0 on every call. A CPU tensor is read each time (no sync to save; writes through `decay.data`
+    bump no version counter, so no cache can see them). On the GPU reading syncs, so a tensor already checked (the
+    same live object, same version counter) is not read on the host again: instead its max goes to pinned host
+    memory asynchronously, and a later call raises once that copy has landed (`_poll_async_check`)."""
+    if decay.device.type != "cuda":
+        _refuse_growing(bool((decay[..., 0] > 0).any()))
+        return
+    _poll_async_check()
     seen = _CHECKED_DECAY.get(id(decay))
     if seen is not None and seen[0]() is decay and seen[1] == decay._version:
+        _start_async_check(decay)
         return
-    if bool((decay[..., 0] > 0).any()):
-        raise ValueError("decay[..., 0] = log|lambda| must be <= 0 (a growing mode); clamp it in the layer")
+    _refuse_growing(bool((decay[..., 0] > 0).any()))
     if len(_CHECKED_DECAY) > 64:
         _CHECKED_DECAY.clear()
     _CHECKED_DECAY[id(decay)] = (weakref.ref(decay), decay._version)
+
+
+def _refuse_growing(growing, late=""):
+    if growing:
+        raise ValueError(f"decay[..., 0] = log|lambda| must be <= 0 (a growing mode){late}; clamp it in the layer")
+
+
+# one device-side decay check in flight at a time: (event, pinned host max); a call finding it unfinished skips its
+# own, so a decode loop adds one small reduction and copy per check and never waits
+_ASYNC_CHECK: dict = {}
+
+
+def _start_async_check(decay):
+    if _ASYNC_CHECK or torch.cuda.is_current_stream_capturing():
+        return
+    host = torch.empty((), dtype=torch.float32, pin_memory=True)
+    host.copy_(decay[..., 0].amax(), non_blocking=True)
+    event = torch.cuda.Event()
+    event.record()
+    _ASYNC_CHECK.update(event=event, host=host)
+
+
+def _poll_async_check():
+    if _ASYNC_CHECK and _ASYNC_CHECK["event"].query():
+        growing = bool(_ASYNC_CHECK.pop("host") > 0)
+        _ASYNC_CHECK.clear()
+        _refuse_growing(growing, " (found after a checked call: decay was written in place, e.g. through .data)")
 
 
 def _check_state(state, B, H, M, K, V, normalize):

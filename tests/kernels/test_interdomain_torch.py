@@ -1,5 +1,7 @@
 """Interdomain Attention: the chunked torch path (CPU tensors, full readouts) and the readout C vs the naive
 definition; GPU checks of the Triton kernels at the presets' shapes."""
+import re
+
 import pytest
 import torch
 
@@ -215,3 +217,33 @@ def test_readout_gpu_bf16(nan_empty, normalize):
     inputs = make_inputs(2, 300, 3, 64, 64, 32, dtype=torch.bfloat16, normalize=normalize, device="cuda")
     compare_readout(inputs, make_readout(3, 32, normalize, device="cuda"), BF16_TOL, BF16_GRAD_TOL,
                     normalize=normalize)
+
+
+@pytest.mark.parametrize("path", ["torch", "interpreter"])
+def test_decay_check_sees_writes_through_data(monkeypatch, path):
+    """Issue 21 case 12: a write through decay.data (no version bump) after a checked call is refused."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0" if path == "torch" else "1")
+    q, k, v, decay, b, u0, g0 = make_inputs(1, 1, 2, 16, 16, 4, device="cpu")
+    interdomain_step(q[:, 0], k[:, 0], v[:, 0], decay, b, (u0, g0))
+    version = decay._version
+    decay.data[0, 0, 0] = 0.5
+    assert decay._version == version
+    with pytest.raises(ValueError, match=re.escape("log|lambda| must be <= 0")):
+        interdomain_step(q[:, 0], k[:, 0], v[:, 0], decay, b, (u0, g0))
+
+
+@pytest.mark.gpu
+@requires_gpu
+def test_decay_check_sees_writes_through_data_gpu():
+    """On the GPU the cached tensor's check runs on the device without a sync; a later call raises."""
+    q, k, v, decay, b, u0, g0 = make_inputs(1, 1, 2, 16, 16, 4, device="cuda")
+    interdomain_step(q[:, 0], k[:, 0], v[:, 0], decay, b, (u0, g0))
+    decay.data[0, 0, 0] = 0.5
+    with pytest.raises(ValueError, match=re.escape("log|lambda| must be <= 0")):
+        for _ in range(4):
+            interdomain_step(q[:, 0], k[:, 0], v[:, 0], decay, b, (u0, g0))
+            torch.cuda.synchronize()
+    decay.data[0, 0, 0] = -0.5
+    for _ in range(3):
+        interdomain_step(q[:, 0], k[:, 0], v[:, 0], decay, b, (u0, g0))
+        torch.cuda.synchronize()
