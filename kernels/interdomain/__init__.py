@@ -107,6 +107,8 @@ def _check_decay(decay):
     if decay.device.type != "cuda":
         _refuse_growing(bool((decay[..., 0] > 0).any()))
         return
+    if torch.cuda.is_current_stream_capturing():
+        return  # nothing can be read while a CUDA graph is captured: its warm-up calls were checked
     _poll_async_check()
     seen = _CHECKED_DECAY.get(id(decay))
     if seen is not None and seen[0]() is decay and seen[1] == decay._version:
@@ -129,7 +131,7 @@ _ASYNC_CHECK: dict = {}
 
 
 def _start_async_check(decay):
-    if _ASYNC_CHECK or torch.cuda.is_current_stream_capturing():
+    if _ASYNC_CHECK:
         return
     host = torch.empty((), dtype=torch.float32, pin_memory=True)
     host.copy_(decay[..., 0].amax(), non_blocking=True)
