@@ -247,3 +247,36 @@ def test_decay_check_sees_writes_through_data_gpu():
     for _ in range(3):
         interdomain_step(q[:, 0], k[:, 0], v[:, 0], decay, b, (u0, g0))
         torch.cuda.synchronize()
+
+
+@pytest.mark.parametrize("T,M,K,V,normalize,init", [
+    (1, 8, 16, 24, False, True),
+    (5, 1, 20, 40, True, False),
+    (63, 32, 16, 24, True, True),
+    (30, 64, 16, 8, False, True),
+])
+def test_fused_recurrent_readout_matches_naive(nan_empty, T, M, K, V, normalize, init):
+    """The fused recurrent kernel (interpreter) with a readout: a P per token, padded modes masked."""
+    q, k, v, decay, b, *state = make_inputs(2, T, 2, K, V, M, normalize=normalize, init=init, device="cpu")
+    c = make_readout(2, M, normalize)
+    o, st = interdomain_recurrent(q, k, v, decay, b, tuple(state) or None, normalize, readout=c)
+    ro, rst = interdomain_attention_naive(q, k, v, decay, b, tuple(state) or None, True, normalize, readout=c)
+    print(f"o={rel_rms_error(o, ro):.2e}")
+    assert_close(o, ro, FP32_TOL, "recurrent o")
+    for i, (a, r) in enumerate(zip(st, rst)):
+        assert_close(a, r, FP32_TOL, f"recurrent final state {i}")
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("B,T,M", [(8, 1, 64), (2, 100, 32)])
+def test_fused_recurrent_readout_gpu_bf16(nan_empty, B, T, M):
+    """The fused decode kernel with a readout on the GPU (P in registers) against naive.py in fp32."""
+    q, k, v, decay, b, *state = make_inputs(B, T, 3, 64, 64, M, dtype=torch.bfloat16, device="cuda")
+    c = make_readout(3, M, device="cuda")
+    o, st = interdomain_recurrent(q, k, v, decay, b, tuple(state), readout=c)
+    ref = [x.float() for x in (q, k, v)]
+    ro, rst = interdomain_attention_naive(*ref, decay, b, tuple(state), True, readout=c)
+    assert_close(o, ro, BF16_TOL, "recurrent o")
+    for i, (a, r) in enumerate(zip(st, rst)):
+        assert_close(a, r, 1e-3, f"recurrent final state {i}")
