@@ -4,6 +4,7 @@ import weakref
 
 import torch
 
+from . import chunk
 from .chunk import InterdomainFunction, _interpret
 from .naive import EPS, interdomain_attention_naive, sign_nonzero
 from .recurrent import interdomain_recurrent, interdomain_step
@@ -27,8 +28,9 @@ def interdomain_attention(q, k, v, decay, b, initial_state=None, output_final_st
         normalize: divide by sum_m Re(a conj eta) + EPS * sign (sign(0) = +1).
         chunk_size: tokens per chunk (16, 32, 64 or 128); chunk-boundary states are the only states kept.
         readout: C [H, M, M, 2] fp32 (re, im) mixing the modes of U_t and Gamma_t before the query reads them; None
-            is the identity. The Triton kernels do not carry C yet: with a readout the op runs the chunked torch
-            path (torch_chunk.py) on every device, correct but slower on the GPU.
+            is the identity. The Triton kernels carry C (a P per token, P = C^T conj(C)) but are checked only
+            under the interpreter so far: on the GPU a readout runs the chunked torch path (torch_chunk.py),
+            correct but slower, until chunk.READOUT_ON_GPU is turned on.
     Returns:
         o [B, T, H, V] in v's dtype and the final state (same layout as initial_state) or None.
     On CPU tensors the op runs the chunked torch path unless TRITON_INTERPRET=1 (which runs the Triton kernels in
@@ -50,7 +52,7 @@ def interdomain_attention(q, k, v, decay, b, initial_state=None, output_final_st
         o, uf, gf = interdomain_torch(q, k, v, decay, b, u0, g0, chunk_size, readout)
     else:
         o, uf, gf = InterdomainFunction.apply(q.contiguous(), k.contiguous(), v.contiguous(), decay.contiguous(),
-                                              b.contiguous(), u0, g0, chunk_size)
+                                              b.contiguous(), u0, g0, chunk_size, _readout_p(readout))
     state = (uf.transpose(2, 3).contiguous(), gf.transpose(2, 3).contiguous()) if output_final_state else None
     if normalize:
         den = o[..., V:].float()
@@ -61,9 +63,19 @@ def interdomain_attention(q, k, v, decay, b, initial_state=None, output_final_st
 
 
 def uses_torch_path(q, readout=None):
-    """True where the op runs torch_chunk.py instead of the Triton kernels: a readout, or a CPU tensor outside the
-    Triton interpreter."""
-    return readout is not None or (q.device.type == "cpu" and not _interpret())
+    """True where the op runs torch_chunk.py instead of the Triton kernels: a CPU tensor outside the Triton
+    interpreter, or a readout on the GPU while chunk.READOUT_ON_GPU is off."""
+    if q.device.type == "cpu":
+        return not _interpret()
+    return readout is not None and not chunk.READOUT_ON_GPU
+
+
+def _readout_p(readout):
+    """P = C^T conj(C) [H, M, M, 2] (re, im) for the kernels, differentiable in C; None stays None."""
+    if readout is None:
+        return None
+    c = torch.complex(readout[..., 0], readout[..., 1])
+    return torch.view_as_real(torch.einsum("hmn,hmk->hnk", c, c.conj())).contiguous()
 
 
 def check_inputs(q, k, v, decay, b, initial_state, normalize, chunk_size, readout=None):

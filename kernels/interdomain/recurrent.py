@@ -134,8 +134,9 @@ def interdomain_recurrent_fwd(q, k, v, decay, b, initial_state, normalize, outpu
     grid = (triton.cdiv(V, cfg["BV"]), B * H)
     extra = {}
     if readout is not None:
-        c = torch.complex(readout[..., 0], readout[..., 1])
-        p = torch.view_as_real(torch.einsum("hmn,hmk->hnk", c, c.conj())).contiguous()
+        from . import _readout_p
+
+        p = _readout_p(readout)
         extra = dict(HAS_READOUT=True)
     _fused_recurrent_fwd_kernel[grid](q, k, v, decay.contiguous(), b.contiguous(), init[0], init[1], e0,
                                       p if readout is not None else e0, o, uf, gf, ef, T, H, M, K, V, EPS,

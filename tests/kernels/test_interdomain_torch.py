@@ -63,8 +63,8 @@ def compare_readout(inputs, readout, tol, grad_tol=None, normalize=False, **kw):
     (64, 64, 16, 8, True, True),
     (300, 16, 8, 12, False, True),
 ])
-def test_readout_matches_naive(nan_empty, T, M, K, V, normalize, init):
-    """The full readout (torch path on any device): output, final state and every gradient incl. dC."""
+def test_readout_matches_naive(nan_empty, torch_path, T, M, K, V, normalize, init):
+    """The full readout on the torch path: output, final state and every gradient incl. dC."""
     inputs = make_inputs(1, T, 2, K, V, M, normalize=normalize, init=init, device="cpu")
     compare_readout(inputs, make_readout(2, M, normalize), FP32_TOL, normalize=normalize)
 
@@ -93,16 +93,36 @@ def test_torch_path_strong_decay(nan_empty, torch_path):
     compare(inputs, FP32_TOL)
 
 
+@pytest.mark.parametrize("T,M,K,V,C,normalize", [
+    (1, 8, 16, 24, 64, True),
+    (63, 1, 16, 24, 64, False),
+    (100, 32, 24, 16, 32, True),
+    (300, 16, 16, 24, 64, False),
+    (70, 64, 16, 8, 64, True),
+])
+def test_readout_kernels_match_naive(nan_empty, T, M, K, V, C, normalize):
+    """The chunk kernels with the readout (interpreter, fp32: _fwd_mixed_kernel, _bwd_a_mixed_kernel, dP summed on
+    the host): output, final state and every gradient incl. dC."""
+    inputs = make_inputs(1, T, 2, K, V, M, normalize=normalize, device="cpu")
+    compare_readout(inputs, make_readout(2, M, normalize), FP32_TOL, normalize=normalize, chunk_size=C)
+
+
 def test_dispatch(monkeypatch):
-    q = torch.zeros(1, 1, 1, 1)
+    from kernels.interdomain import chunk
+
+    q, c = torch.zeros(1, 1, 1, 1), torch.zeros(1)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    assert not uses_torch_path(q) and uses_torch_path(q, readout=torch.zeros(1))
+    assert not uses_torch_path(q) and not uses_torch_path(q, readout=c)
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    assert uses_torch_path(q)
+    assert uses_torch_path(q) and uses_torch_path(q, readout=c)
+    if torch.cuda.is_available():
+        assert not uses_torch_path(q.cuda()) and uses_torch_path(q.cuda(), readout=c)
+        monkeypatch.setattr(chunk, "READOUT_ON_GPU", True)
+        assert not uses_torch_path(q.cuda(), readout=c)
 
 
 @pytest.mark.parametrize("normalize", [False, True])
-def test_readout_split_equals_one_call(nan_empty, normalize):
+def test_readout_split_equals_one_call(nan_empty, torch_path, normalize):
     """With a readout the state stays the unmixed U, Gamma, eta: T = a + b in two calls equals one call."""
     q, k, v, decay, b, *state = make_inputs(1, 150, 2, 16, 24, 8, normalize=normalize, device="cpu")
     c = make_readout(2, 8, normalize)
@@ -209,14 +229,30 @@ def interdomain_torch_fp32(torch_chunk, q, k, v, decay, b, initial_state, output
         torch.backends.cuda.matmul.allow_tf32 = prev
 
 
+@pytest.fixture(params=["torch", "kernels"])
+def gpu_readout(monkeypatch, request):
+    """A readout on the GPU through the torch path (the default) or the chunk kernels (chunk.READOUT_ON_GPU)."""
+    from kernels.interdomain import chunk
+
+    monkeypatch.setattr(chunk, "READOUT_ON_GPU", request.param == "kernels")
+
+
 @pytest.mark.gpu
 @requires_gpu
-@pytest.mark.parametrize("normalize", [False, True])
-def test_readout_gpu_bf16(nan_empty, normalize):
-    """The readout on the GPU (torch path, bf16 inputs computed in fp32) against naive.py in fp32."""
-    inputs = make_inputs(2, 300, 3, 64, 64, 32, dtype=torch.bfloat16, normalize=normalize, device="cuda")
-    compare_readout(inputs, make_readout(3, 32, normalize, device="cuda"), BF16_TOL, BF16_GRAD_TOL,
+@pytest.mark.parametrize("T,M,normalize", [(300, 32, False), (100, 32, True), (1000, 64, False)])
+def test_readout_gpu_bf16(nan_empty, gpu_readout, T, M, normalize):
+    """The readout on the GPU, bf16 inputs, against naive.py in fp32."""
+    inputs = make_inputs(2, T, 3, 64, 64, M, dtype=torch.bfloat16, normalize=normalize, device="cuda")
+    compare_readout(inputs, make_readout(3, M, normalize, device="cuda"), BF16_TOL, BF16_GRAD_TOL,
                     normalize=normalize)
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("T,M", [(300, 32), (200, 64)])
+def test_readout_gpu_fp32(nan_empty, gpu_readout, T, M):
+    inputs = make_inputs(2, T, 3, 64, 64, M, device="cuda")
+    compare_readout(inputs, make_readout(3, M, device="cuda"), FP32_TOL)
 
 
 @pytest.mark.parametrize("path", ["torch", "interpreter"])
