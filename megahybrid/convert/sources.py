@@ -37,12 +37,15 @@ def detect(path: str) -> str:
                     f"(latest), a Hugging Face export (config.json) nor a consolidated one (config.yaml + weights)")
 
 
-def read(path: str) -> Weights:
+def read(path: str, tags: dict | None = None) -> Weights:
+    """Full weights under our names; `tags` (partition dim and stride per name) saves building the model."""
     kind = detect(path)
     if kind == "checkpoint_root":
         with open(os.path.join(path, "latest")) as f:
             path, kind = os.path.join(path, f.read().strip()), "checkpoint"
-    return {"checkpoint": read_checkpoint, "consolidated": read_consolidated, "hf": read_hf}[kind](path)
+    if kind == "checkpoint":
+        return read_checkpoint(path, tags)
+    return {"consolidated": read_consolidated, "hf": read_hf}[kind](path)
 
 
 def _run_model(run_yaml_path: str):
@@ -59,7 +62,7 @@ def _tokenizer_of(run_cfg) -> str | None:
     return run_cfg.data.fields.get("tokenizer_model")
 
 
-def read_checkpoint(step_dir: str) -> Weights:
+def read_checkpoint(step_dir: str, tags: dict | None = None) -> Weights:
     """Verify the manifest, merge ZeRO partitions per TP rank, then TP shards by the model's partition tags."""
     from megahybrid.convert.local import bare_model, partition_tags
     from megahybrid.convert.zero import rank_state_dict, tp_size
@@ -69,7 +72,7 @@ def read_checkpoint(step_dir: str) -> Weights:
     if problem:
         raise UserError(f"checkpoint {step_dir} is unusable ({problem}); use an older one")
     run_cfg, model_cfg = _run_model(os.path.join(step_dir, "config.yaml"))
-    tags = partition_tags(bare_model(model_cfg))
+    tags = tags or partition_tags(bare_model(model_cfg))
     ranks = [rank_state_dict(step_dir, r) for r in tqdm(range(tp_size(step_dir)), desc="reading TP ranks")]
     full = {}
     for name, tag in tags.items():
