@@ -12,14 +12,19 @@ from megahybrid.model.sharding import is_tp_sharded, shard_of
 IGNORED_FIELDS = ("seq_length", "init_std")  # no weight depends on them
 
 
+def _architecture(cfg) -> dict:
+    """The fields the weights depend on, defaults resolved (num_kv_heads=None is num_heads, ...)."""
+    values = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name not in IGNORED_FIELDS}
+    return {**values, "num_kv_heads": cfg.kv_heads, "ffn_hidden_size": cfg.ffn_size}
+
+
 def check_same_model(source_cfg, target_cfg, path: str) -> None:
-    for f in dataclasses.fields(target_cfg):
-        if f.name in IGNORED_FIELDS:
-            continue
-        theirs, ours = getattr(source_cfg, f.name), getattr(target_cfg, f.name)
+    source = _architecture(source_cfg)
+    for name, ours in _architecture(target_cfg).items():
+        theirs = source[name]
         if theirs != ours:
-            raise UserError(f"checkpoint.init_from {path} holds a model with {f.name}={theirs!r} but this run has "
-                            f"model.{f.name}={ours!r}: set model.{f.name}={theirs!r} or use a matching checkpoint")
+            raise UserError(f"checkpoint.init_from {path} holds a model with {name}={theirs!r} but this run has "
+                            f"model.{name}={ours!r}: set model.{name}={theirs!r} or use a matching checkpoint")
 
 
 def _tags(model) -> dict:
