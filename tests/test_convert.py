@@ -131,9 +131,20 @@ def _conversions(rank, world, root):
     generated = model.generate(tokens[:, :6], max_new_tokens=8, do_sample=False)
     stepwise = greedy_decode_logits(reference, generated).argmax(-1)[:, 5:-1]
     out.update(logits=(ours, theirs), kl=kl, generated=generated[:, 6:], stepwise=stepwise,
-               files=sorted(os.listdir(hf)))
+               files=sorted(os.listdir(hf)), tokenizer=_tokenizer_ids(hf))
+    half = sources.read(convert(os.path.join(root, "tp2_full"), "consolidated", os.path.join(root, "bf16"), "bf16"))
+    assert all(half.tensors[k].equal(v.bfloat16()) for k, v in weights.tensors.items())
     _bad_inputs(root, convert)
     return out
+
+
+def _tokenizer_ids(hf):
+    import sentencepiece
+    from transformers import AutoTokenizer
+
+    text = "The quick brown fox jumps over the lazy dog."
+    ours = sentencepiece.SentencePieceProcessor(model_file=os.path.join(hf, "tokenizer.model")).encode(text)
+    return ours, AutoTokenizer.from_pretrained(hf, trust_remote_code=True)(text)["input_ids"]
 
 
 def _bad_inputs(root, convert):
@@ -169,7 +180,7 @@ def _bad_inputs(root, convert):
 
 @pytest.mark.dist
 def test_convert_round_trip_and_init_from(data_dir, tmp_path):
-    from tests.utils import assert_close
+    from tests.utils import assert_close, rel_rms_error
 
     root = str(tmp_path)
     src = run_on_ranks(_sources, 2, root, data_dir)[0]
@@ -182,12 +193,15 @@ def test_convert_round_trip_and_init_from(data_dir, tmp_path):
     assert_close(conv["logits"][1], conv["logits"][0], LOGITS_TOL, "HF logits")
     assert conv["kl"] < KL_TOL, conv["kl"]
     assert conv["generated"].equal(conv["stepwise"]), (conv["generated"], conv["stepwise"])
+    assert conv["tokenizer"][0] == conv["tokenizer"][1] and len(conv["tokenizer"][0]) > 5, conv["tokenizer"]
     targets = run_on_ranks(_targets, 2, root, data_dir, os.path.join(root, "hf"))
     for rank_result in targets:
         for key, tensor in src["tp2"]["full"].items():
             assert rank_result["round_trip"][key].equal(tensor), f"TP=2 -> TP=1 -> HF -> TP=2: {key} differs"
         assert rank_result["first_loss"] == pytest.approx(src["tp2"]["loss"], rel=LOSS_TOL)
         assert "checkpoint.init_from" in rank_result["refusal"], rank_result["refusal"]
+    print(f"HF logits rel RMS {rel_rms_error(*conv['logits']):.2e} KL {conv['kl']:.2e}; first loss "
+          f"{targets[0]['first_loss']:.8f} vs source {src['tp2']['loss']:.8f}")
 
 
 def test_convert_cli_refuses_existing_output_in_one_line(tmp_path):
