@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from tests.dist import run_on_ranks
+from tests.utils import requires_gpu
 from tests.test_train_zero import train_config
 
 LOSS_TOL = 2e-5  # fp32; layouts differ only in the order of reductions
@@ -210,3 +211,65 @@ def test_convert_cli_refuses_existing_output_in_one_line(tmp_path):
                           "--output", str(tmp_path)], capture_output=True, text=True, env=env)
     assert out.returncode == 2 and out.stderr.strip().count("\n") == 0, out.stderr
     assert out.stderr.startswith("error: --output") and "--force" in out.stderr, out.stderr
+
+
+@pytest.mark.parametrize("stride", [1, 2])
+def test_shard_of_inverts_merge_shards(stride):
+    import torch
+
+    from megahybrid.model.sharding import merge_shards, shard_of
+
+    full = torch.arange(8 * 12 * 3, dtype=torch.float32).reshape(24, 12)
+    for dim in (0, 1):
+        shards = [shard_of(full, dim, stride, 3 if dim == 0 else 2, r) for r in range(3 if dim == 0 else 2)]
+        assert merge_shards(shards, dim, stride).equal(full)
+
+
+def test_unmapped_mixer_is_a_one_line_error(monkeypatch):
+    from megahybrid.convert import adapter
+    from megahybrid.errors import UserError
+    from megahybrid.model.config import preset
+
+    monkeypatch.setattr(adapter, "MIXER_MODULES", {})
+    with pytest.raises(UserError, match="mixer 'S' has no Hugging Face name mapping yet: add it to MIXER_MODULES"):
+        adapter.module_map(preset("tiny"))
+
+
+def _gpu_export(rank, world, root):
+    """A fresh tiny model exported, loaded by transformers on the GPU: logits and greedy generate() vs ours."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from megahybrid.convert.api import convert, run_yaml_for
+    from megahybrid.convert.files import write_weights
+    from megahybrid.convert.local import ensure_local_groups
+    from megahybrid.model.config import preset
+    from megahybrid.model.decode import full_logits, greedy_decode_logits
+    from megahybrid.model.gpt import build_model
+    from megahybrid.parallel import ParallelLayout
+
+    ensure_local_groups()
+    cfg = preset("tiny")
+    model = build_model(cfg, ParallelLayout()).eval()
+    src = os.path.join(root, "src")
+    os.makedirs(src)
+    write_weights({k: v.detach().cpu() for k, v in model.state_dict().items() if not k.endswith("_extra_state")}, src)
+    with open(os.path.join(src, "config.yaml"), "w") as f:
+        f.write(run_yaml_for(cfg))
+    hf = AutoModelForCausalLM.from_pretrained(convert(src, "hf", os.path.join(root, "hf")), trust_remote_code=True)
+    hf = hf.cuda().eval()
+    tokens = torch.randint(0, cfg.vocab_size, (2, 32), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    with torch.no_grad():
+        logits = (hf(tokens).logits.float().cpu(), full_logits(model, tokens).cpu())
+    generated = hf.generate(tokens[:, :8], max_new_tokens=8, do_sample=False)
+    return logits, generated[:, 8:].cpu(), greedy_decode_logits(model, generated).argmax(-1)[:, 7:-1].cpu()
+
+
+@pytest.mark.gpu
+@requires_gpu
+def test_exported_model_on_gpu_matches_training_model(tmp_path):
+    from tests.utils import assert_close
+
+    (theirs, ours), generated, stepwise = run_on_ranks(_gpu_export, 1, str(tmp_path))[0]
+    assert_close(theirs, ours, LOGITS_TOL, "HF logits on the GPU")
+    assert generated.equal(stepwise), (generated, stepwise)
