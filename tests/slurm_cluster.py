@@ -13,7 +13,7 @@ import time
 from tests.dist import free_port
 
 NODES = ("n1", "n2")
-CPUS_PER_NODE = 4
+CPUS_PER_NODE = 8
 PACKAGES = ("slurm-wlm", "munge")
 
 

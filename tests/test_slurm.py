@@ -3,10 +3,10 @@ a 2-node training job, the same job signalled mid-run (saved, requeued, resumed 
 chains after success and failure, a job array of two configs through the torchrun template; and the rendered
 script and flag errors without a cluster. Skipped, with the reason printed, where the daemons cannot start
 (`make test` installs slurm-wlm and munge with apt when it can)."""
+import contextlib
+import io
 import os
 import re
-import subprocess
-import sys
 import time
 
 import pytest
@@ -29,15 +29,20 @@ def cluster(tmp_path_factory):
 
 
 def submit(cluster, run_dir, data_dir, *flags, extra=(), configs=None):
-    """`megahybrid slurm submit` of the tiny run on 2 CPU nodes (or of the YAML `configs` as an array); the job
-    ids it printed, the training's first."""
+    """`megahybrid slurm submit` (in this process: no second start-up) of the tiny run on 2 CPU nodes, or of the
+    YAML `configs` as an array; the job ids it printed, the training's first."""
+    from megahybrid.cli import main
+
     config_args = [f"--config={c}" for c in configs] if configs else _args(run_dir, data_dir, STEPS, *extra)[1:]
-    cmd = [sys.executable, "-m", "megahybrid", "slurm", "submit", *config_args,
-           "--nodes=2", "--gpus-per-node=0", "--time=00:10:00", "--signal-lead=60", *flags]
-    done = subprocess.run(cmd, env=_env({"SLURM_CONF": cluster.conf}), capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-    first = re.search(r"submitted job (\d+)(?: \(then ([\d, ]+)\))?", done.stdout)
-    assert first, done.stdout
+    printed = io.StringIO()
+    with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(printed):
+        for key, value in _env({"SLURM_CONF": cluster.conf}).items():
+            patch.setenv(key, value)
+        code = main(["slurm", "submit", *config_args, "--nodes=2", "--gpus-per-node=0", "--time=00:10:00",
+                     "--signal-lead=60", *flags])
+    assert code == 0, printed.getvalue()
+    first = re.search(r"submitted job (\d+)(?: \(then ([\d, ]+)\))?", printed.getvalue())
+    assert first, printed.getvalue()
     return [first.group(1), *(first.group(2).split(", ") if first.group(2) else [])]
 
 
@@ -53,24 +58,72 @@ def assert_finished(cluster, job_id, run_dir, restarts=0):
 
 
 @pytest.fixture(scope="module")
-def reference(cluster, data_dir, tmp_path_factory):  # noqa: F811
-    """The uninterrupted 2-node run, chained to a command that must run after it succeeded."""
-    run_dir = str(tmp_path_factory.mktemp("slurm-ref") / "run")
-    marker = os.path.join(os.path.dirname(run_dir), "after-ok")
-    train, then = submit(cluster, run_dir, data_dir, f"--then=date +%s.%N > {marker}")
-    return run_dir, train, then, marker
+def jobs(cluster, data_dir, tmp_path_factory):  # noqa: F811
+    """Every cluster job of this module, submitted at once so that they overlap: the uninterrupted run chained to
+    a command, the run to be signalled, a failing run chained to a command, and an array of two configs."""
+    root = tmp_path_factory.mktemp("slurm-runs")
+    out = {"root": root}
+    out["signalled"] = submit(cluster, str(root / "signalled"), data_dir, extra=("debug.sleep_per_step=2",))[0]
+    out["reference"] = submit(cluster, str(root / "reference"), data_dir, f"--then=date > {root / 'after-ok'}")
+    out["failing"] = submit(cluster, str(root / "failing"), data_dir, f"--then=date > {root / 'after-failure'}",
+                            extra=("data.builtin=false", "data.prefixes=[/nonexistent/corpus]"))
+    out["array"] = submit(cluster, None, data_dir, "--launcher=torchrun", configs=_array_configs(root, data_dir))[0]
+    return out
+
+
+def _array_configs(root, data_dir):  # noqa: F811
+    from megahybrid.train.config import load_config
+
+    paths = []
+    for lr in ("1e-3", "2e-3"):
+        cfg = load_config("demo", [*_args(str(root / f"lr-{lr}"), data_dir, STEPS)[3:], f"optimizer.lr={lr}"])
+        paths.append(root / f"lr-{lr}.yaml")
+        paths[-1].write_text(cfg.to_yaml())
+    return paths
+
+
+def _read(run_dir, name):
+    with open(os.path.join(run_dir, "slurm", "logs", name)) as f:
+        return f.read()
 
 
 @pytest.mark.dist
 @pytest.mark.slow
-def test_two_node_job_trains_and_checkpoints(cluster, reference):
-    run_dir, train, _, _ = reference
+def test_signal_saves_requeues_and_resumes_to_the_same_losses(cluster, jobs):
+    job, run_dir = jobs["signalled"], str(jobs["root"] / "signalled")
+    deadline = time.monotonic() + 240
+    while not _logged_a_loss(run_dir):
+        assert time.monotonic() < deadline and cluster.job(job)["JobState"] in ("PENDING", "RUNNING"), \
+            cluster.job(job)
+        time.sleep(0.3)
+    cluster.run(["scancel", "--signal=USR1", "--batch", job])
+    batch_log = assert_finished(cluster, job, run_dir, restarts=1)
+    first_run = _read(run_dir, f"{job}.0-rank0.log")
+    stopped = int(re.search(r"saved \S+step_(\d+); exiting with code 3", first_run).group(1))
+    assert 1 <= stopped < STEPS, first_run[-2000:]
+    assert "got SIGUSR1, forwarding it" in batch_log and "requeueing job" in batch_log
+    assert f"step_{stopped:08d} at step {stopped}" in _read(run_dir, f"{job}.1-rank0.log")
+    reference = str(jobs["root"] / "reference")
+    assert_finished(cluster, jobs["reference"][0], reference)
+    assert losses(run_dir) == losses(reference)
+
+
+def _logged_a_loss(run_dir) -> bool:
+    try:
+        return bool(losses(run_dir))
+    except (OSError, ValueError):  # not written yet, or a line half written
+        return False
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_two_node_job_trains_and_checkpoints(cluster, jobs):
+    run_dir, (train, _) = str(jobs["root"] / "reference"), jobs["reference"]
     batch_log = assert_finished(cluster, train, run_dir)
     assert "megahybrid: training finished" in batch_log
     rank_logs = sorted(os.listdir(os.path.join(run_dir, "slurm", "logs")))
     assert f"{train}.0-rank0.log" in rank_logs and f"{train}.0-rank1.log" in rank_logs, rank_logs
-    rank0 = open(os.path.join(run_dir, "slurm", "logs", f"{train}.0-rank0.log")).read()
-    assert "world_size=2" in rank0
+    assert "world_size=2" in _read(run_dir, f"{train}.0-rank0.log")
     curve = losses(run_dir)
     assert curve[STEPS] < curve[1], curve
     assert os.path.isfile(os.path.join(run_dir, "checkpoints", f"step_{STEPS:08d}", "manifest.json"))
@@ -79,58 +132,26 @@ def test_two_node_job_trains_and_checkpoints(cluster, reference):
 
 @pytest.mark.dist
 @pytest.mark.slow
-def test_signal_saves_requeues_and_resumes_to_the_same_losses(cluster, reference, data_dir, tmp_path):  # noqa: F811
-    run_dir = str(tmp_path / "signalled")
-    job, = submit(cluster, run_dir, data_dir, extra=("debug.sleep_per_step=1.5",))
-    deadline = time.monotonic() + 180
-    while not (os.path.exists(os.path.join(run_dir, "metrics.jsonl")) and losses(run_dir)):
-        assert time.monotonic() < deadline and cluster.job(job)["JobState"] in ("PENDING", "RUNNING")
-        time.sleep(0.3)
-    cluster.run(["scancel", "--signal=USR1", "--batch", job])
-    batch_log = assert_finished(cluster, job, run_dir, restarts=1)
-    first_run = open(os.path.join(run_dir, "slurm", "logs", f"{job}.0-rank0.log")).read()
-    stopped = int(re.search(r"saved \S+step_(\d+); exiting with code 3", first_run).group(1))
-    assert 1 <= stopped < STEPS, first_run[-2000:]
-    assert "got SIGUSR1, forwarding it" in batch_log and "requeueing job" in batch_log
-    rerun = open(os.path.join(run_dir, "slurm", "logs", f"{job}.1-rank0.log")).read()
-    assert f"step_{stopped:08d} at step {stopped}" in rerun
-    assert losses(run_dir) == losses(reference[0])
-
-
-@pytest.mark.dist
-@pytest.mark.slow
-def test_dependency_chain_runs_only_after_success(cluster, reference, data_dir, tmp_path):  # noqa: F811
-    run_dir, train, then, marker = reference
+def test_dependency_chain_runs_only_after_success(cluster, jobs):
+    train, then = jobs["reference"]
     assert cluster.wait_done(then)["JobState"] == "COMPLETED"
-    ended = cluster.job(train)["EndTime"]
-    assert cluster.job(then)["StartTime"] >= ended
-    assert os.path.exists(marker)
-    bad_run, bad_marker = str(tmp_path / "bad"), str(tmp_path / "after-failure")
-    train, then = submit(cluster, bad_run, data_dir, f"--then=touch {bad_marker}",
-                         extra=("data.builtin=false", "data.prefixes=[/nonexistent/corpus]"))
+    assert cluster.job(then)["StartTime"] >= cluster.job(train)["EndTime"]
+    assert (jobs["root"] / "after-ok").exists()
+    train, then = jobs["failing"]
     assert cluster.wait_done(train)["ExitCode"] == "2:0"
     follower = cluster.wait_done(then)
     assert follower["JobState"] == "CANCELLED" and follower["Reason"] == "DependencyNeverSatisfied", follower
-    assert not os.path.exists(bad_marker)
-    batch_log = open(os.path.join(bad_run, "slurm", "logs", f"mh-demo-{train}.out")).read()
-    assert "config or data error (exit 2)" in batch_log
+    assert not (jobs["root"] / "after-failure").exists()
+    assert "config or data error (exit 2)" in _read(str(jobs["root"] / "failing"), f"mh-demo-{train}.out")
 
 
 @pytest.mark.dist
 @pytest.mark.slow
-def test_job_array_of_two_configs_through_torchrun(cluster, data_dir, tmp_path):  # noqa: F811
-    from megahybrid.train.config import load_config
-
-    configs, run_dirs = [], []
-    for name, lr in (("small-lr", "1e-4"), ("large-lr", "1e-3")):
-        run_dir = str(tmp_path / name)
-        cfg = load_config("demo", [*_args(run_dir, data_dir, STEPS)[3:], f"optimizer.lr={lr}"])
-        configs.append(tmp_path / f"{name}.yaml")
-        configs[-1].write_text(cfg.to_yaml())
-        run_dirs.append(run_dir)
-    job, = submit(cluster, None, data_dir, "--launcher=torchrun", configs=configs)
+def test_job_array_of_two_configs_through_torchrun(cluster, jobs):
+    run_dirs = [str(jobs["root"] / f"lr-{lr}") for lr in ("1e-3", "2e-3")]
     for task, run_dir in enumerate(run_dirs):
-        assert_finished(cluster, f"{job}_{task}", run_dir)
+        assert_finished(cluster, f"{jobs['array']}_{task}", run_dir)
+        assert "world_size=2" in _read(run_dir, f"{jobs['array']}_{task}.0-node0.log")
     assert losses(run_dirs[0])[STEPS] != losses(run_dirs[1])[STEPS]
 
 
