@@ -37,6 +37,7 @@ class SlurmJob:
     setup: str | None = None
     after: str | None = None
     then: list[str] = field(default_factory=list)
+    sbatch_options: list[str] = field(default_factory=list)
 
     @property
     def tasks_per_node(self) -> int:
@@ -58,6 +59,9 @@ class SlurmJob:
                             f"({limit} s) so the ranks can save before the limit")
         if self.max_requeues < 0:
             raise UserError(f"--max-requeues {self.max_requeues}: use 0 or more")
+        for option in self.sbatch_options:
+            if not option.startswith("-") or "\n" in option:
+                raise UserError(f"--sbatch {option!r}: give one sbatch option, e.g. --sbatch=--account=proj")
         if self.setup and not os.path.isfile(self.setup):
             raise UserError(f"--setup {self.setup}: no such file (a shell script sourced before the launch)")
 
@@ -91,6 +95,8 @@ def add_slurm_commands(subparsers) -> None:
     submit.add_argument("--after", metavar="JOBID", help="start only after this job succeeded (afterok)")
     submit.add_argument("--then", action="append", default=[], metavar="CMD",
                         help="a command run as its own job after the previous step succeeded; repeatable")
+    submit.add_argument("--sbatch", action="append", default=[], metavar="OPTION", help="an extra #SBATCH line, "
+                        "e.g. --sbatch=--account=proj --sbatch=--qos=high; repeatable")
     submit.add_argument("--dry-run", action="store_true", help="print the script, submit nothing")
 
 
@@ -98,7 +104,8 @@ def run(args) -> int:
     job = SlurmJob(configs=args.config, overrides=args.overrides, nodes=args.nodes,
                    gpus_per_node=args.gpus_per_node, time=args.time, partition=args.partition,
                    launcher=args.launcher, signal_lead=args.signal_lead, max_requeues=args.max_requeues,
-                   cpus_per_rank=args.cpus_per_rank,                   setup=args.setup and os.path.abspath(args.setup), after=args.after, then=args.then)
+                   cpus_per_rank=args.cpus_per_rank,                   setup=args.setup and os.path.abspath(args.setup), after=args.after, then=args.then,
+                   sbatch_options=args.sbatch)
     job.check()
     run_dirs = [resolve_run(job, name) for name in job.configs]
     script_path = run_dirs[0] / "slurm" / "job.sbatch"
@@ -133,7 +140,8 @@ def render(job: SlurmJob, run_dirs: list[Path], slurm_dir: Path) -> str:
     extra = [f"#SBATCH --partition={job.partition}" if job.partition else "",
              f"#SBATCH --gpus-per-node={job.gpus_per_node}" if job.gpus_per_node else "",
              f"#SBATCH --array=0-{len(run_dirs) - 1}" if array else "",
-             f"#SBATCH --dependency=afterok:{job.after}" if job.after else ""]
+             f"#SBATCH --dependency=afterok:{job.after}" if job.after else "",
+             *(f"#SBATCH {option}" for option in job.sbatch_options)]
     values = {
         "job_name": "mh-sweep" if array else f"mh-{Path(job.configs[0]).stem}",
         "nodes": job.nodes, "tasks_per_node": job.tasks_per_node, "time": job.time,

@@ -160,17 +160,19 @@ def test_dry_run_renders_and_bad_flags_fail_in_one_line(tmp_path, capsys):
 
     run_dir = str(tmp_path / "run")
     base = ["slurm", "submit", "--config=demo", f"run_dir={run_dir}", "batch.global_batch_size=256",
-            "--nodes=4", "--gpus-per-node=8", "--time=1-00:00:00", "--partition=gpu", "--dry-run"]
+            "--nodes=4", "--gpus-per-node=8", "--time=1-00:00:00", "--partition=gpu", "--sbatch=--account=proj",
+            "--dry-run"]
     assert main(base) == 0
     script = open(os.path.join(run_dir, "slurm", "job.sbatch")).read()
     assert capsys.readouterr().out == script and "{{" not in script
     for line in ("#SBATCH --nodes=4", "#SBATCH --ntasks-per-node=8", "#SBATCH --gpus-per-node=8",
-                 "#SBATCH --partition=gpu", "#SBATCH --time=1-00:00:00", "#SBATCH --signal=B:USR1@300",
+                 "#SBATCH --partition=gpu", "#SBATCH --account=proj", "#SBATCH --time=1-00:00:00", "#SBATCH --signal=B:USR1@300",
                  f"MH_CONFIGS=({run_dir}/slurm/config.yaml)", f"source {REPO}/slurm/lib.sh"):
         assert line in script.splitlines(), line
     bad = {"--time=90min": "--time 90min: use HH:MM:SS", "--nodes=0": "--nodes 0: use 1 or more",
            "--signal-lead=100000": "--signal-lead 100000: use more than 0 and less than --time",
-           "batch.global_batch_size=12": "batch.global_batch_size=12 is not a multiple"}
+           "batch.global_batch_size=12": "batch.global_batch_size=12 is not a multiple",
+           "--sbatch=account": "--sbatch 'account': give one sbatch option"}
     for flag, message in bad.items():
         assert main([*base[:5], flag, *base[5:]] if not flag.startswith("--") else [*base, flag]) == 2
         err = capsys.readouterr().err
