@@ -104,10 +104,10 @@ def run(args) -> int:
     job = SlurmJob(configs=args.config, overrides=args.overrides, nodes=args.nodes,
                    gpus_per_node=args.gpus_per_node, time=args.time, partition=args.partition,
                    launcher=args.launcher, signal_lead=args.signal_lead, max_requeues=args.max_requeues,
-                   cpus_per_rank=args.cpus_per_rank,                   setup=args.setup and os.path.abspath(args.setup), after=args.after, then=args.then,
-                   sbatch_options=args.sbatch)
+                   cpus_per_rank=args.cpus_per_rank, setup=args.setup and os.path.abspath(args.setup),
+                   after=args.after, then=args.then, sbatch_options=args.sbatch)
     job.check()
-    run_dirs = [resolve_run(job, name) for name in job.configs]
+    run_dirs = write_configs([resolve_config(job, name) for name in job.configs])
     script_path = run_dirs[0] / "slurm" / "job.sbatch"
     script = render(job, run_dirs, script_path.parent)
     script_path.write_text(script)
@@ -119,23 +119,28 @@ def run(args) -> int:
     return 0
 
 
-def resolve_run(job: SlurmJob, name: str) -> Path:
-    """Load and validate one config for the job's world size; write it resolved into <run_dir>/slurm/."""
+def resolve_config(job: SlurmJob, name: str):
+    """Load one config with the overrides, run_dir made absolute, validated for the job's world size."""
     from megahybrid.train.config import load_config, validate
 
     cfg = load_config(name, job.overrides)
     cfg.run_dir = os.path.abspath(cfg.run_dir)
     validate(cfg, job.nodes * job.tasks_per_node, job.gpus_per_node > 0, check_data=False)
-    run_dir = Path(cfg.run_dir)
-    (run_dir / "slurm" / "logs").mkdir(parents=True, exist_ok=True)
-    config_path = run_dir / "slurm" / "config.yaml"
-    config_path.write_text(cfg.to_yaml())
-    return run_dir
+    return cfg
+
+
+def write_configs(configs: list) -> list[Path]:
+    """Each resolved config into <run_dir>/slurm/config.yaml (what the job trains); the run dirs."""
+    run_dirs = [Path(cfg.run_dir) for cfg in configs]
+    if len(set(run_dirs)) != len(run_dirs):
+        raise UserError("the job array's configs share a run_dir; give each its own (run_dir=... in its YAML)")
+    for cfg, run_dir in zip(configs, run_dirs):
+        (run_dir / "slurm" / "logs").mkdir(parents=True, exist_ok=True)
+        (run_dir / "slurm" / "config.yaml").write_text(cfg.to_yaml())
+    return run_dirs
 
 
 def render(job: SlurmJob, run_dirs: list[Path], slurm_dir: Path) -> str:
-    if len(set(run_dirs)) != len(run_dirs):
-        raise UserError("the job array's configs share a run_dir; give each its own (run_dir=... in its YAML)")
     array = len(run_dirs) > 1
     extra = [f"#SBATCH --partition={job.partition}" if job.partition else "",
              f"#SBATCH --gpus-per-node={job.gpus_per_node}" if job.gpus_per_node else "",

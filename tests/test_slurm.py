@@ -172,7 +172,8 @@ def test_dry_run_renders_and_bad_flags_fail_in_one_line(tmp_path, capsys):
     bad = {"--time=90min": "--time 90min: use HH:MM:SS", "--nodes=0": "--nodes 0: use 1 or more",
            "--signal-lead=100000": "--signal-lead 100000: use more than 0 and less than --time",
            "batch.global_batch_size=12": "batch.global_batch_size=12 is not a multiple",
-           "--sbatch=account": "--sbatch 'account': give one sbatch option"}
+           "--sbatch=account": "--sbatch 'account': give one sbatch option",
+           "--config=125m": "the job array's configs share a run_dir"}
     for flag, message in bad.items():
         assert main([*base[:5], flag, *base[5:]] if not flag.startswith("--") else [*base, flag]) == 2
         err = capsys.readouterr().err
