@@ -47,7 +47,8 @@ mh_launch() {
 }
 
 mh_ranks_code() {
-    # The ranks' common exit code when all $1 wrote the same one, else the launcher's ($2).
+    # The ranks' common exit code when all $1 wrote the same one, else the launcher's ($2), but never 0 or 3
+    # then: ranks that did not all finish, or not all save, are a crash and must not be requeued.
     local files codes
     shopt -s nullglob
     files=("$MEGAHYBRID_EXIT_DIR"/rank*)
@@ -55,6 +56,8 @@ mh_ranks_code() {
     codes=$(cat "${files[@]}" /dev/null | sort -u)
     if [ "${#files[@]}" -eq "$1" ] && [ "$(echo "$codes" | wc -w)" -eq 1 ]; then
         echo "$codes"
+    elif [ "$2" -eq 0 ] || [ "$2" -eq 3 ]; then
+        echo 1
     else
         echo "$2"
     fi

@@ -7,6 +7,7 @@ import contextlib
 import io
 import os
 import re
+import subprocess
 import time
 
 import pytest
@@ -178,3 +179,25 @@ def test_dry_run_renders_and_bad_flags_fail_in_one_line(tmp_path, capsys):
         assert main([*base[:5], flag, *base[5:]] if not flag.startswith("--") else [*base, flag]) == 2
         err = capsys.readouterr().err
         assert err.startswith(f"error: {message}") and len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("rank_codes,launcher,restart,expect,says", [
+    ("3 3", 1, 0, 3, "scontrol requeue 77"),  # torchrun's 1 hides the ranks' 3
+    ("3 3", 3, 2, 3, "not requeued: 2 requeues reached MH_MAX_REQUEUES"),
+    ("0 0", 0, 0, 0, "training finished"),
+    ("2 2", 2, 0, 2, "config or data error"),
+    ("3 0", 3, 0, 1, "crashed"),  # ranks disagree: a crash, whatever the launcher says
+    ("", 137, 0, 137, "crashed"),
+    ("3", 1, 0, 1, "crashed"),  # a rank died without a code
+])
+def test_batch_script_requeues_only_on_exit_3_below_the_limit(tmp_path, rank_codes, launcher, restart, expect, says):
+    exit_dir = tmp_path / "exit"
+    exit_dir.mkdir()
+    for rank, code in enumerate(rank_codes.split()):
+        (exit_dir / f"rank{rank}").write_text(f"{code}\n")
+    script = (f"source {REPO}/slurm/lib.sh; scontrol() {{ echo scontrol \"$@\"; }}; SLURM_JOB_ID=77; "
+              f"MEGAHYBRID_EXIT_DIR={exit_dir}; MH_LOG_DIR={tmp_path}; MH_RESTART={restart}; MH_MAX_REQUEUES=2; "
+              f"MH_CODE={launcher}; mh_finish 2")
+    done = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=30)
+    assert done.returncode == expect and says in done.stdout, (done.returncode, done.stdout, done.stderr)
+    assert ("scontrol requeue" in done.stdout) == (says == "scontrol requeue 77")
