@@ -105,6 +105,7 @@ def _has_gpu() -> bool:
 def main(argv: list[str] | None = None) -> int:
     from megahybrid.errors import UserError
     from megahybrid.slurm import record_exit_code
+    from megahybrid.train.signals import Interrupted, install_stop_handlers
 
     args = parser().parse_args(argv)
     if args.command == "data":
@@ -116,11 +117,16 @@ def main(argv: list[str] | None = None) -> int:
             from megahybrid.slurm import run
 
             return run(args)
+        # Before torch is imported: a SIGTERM or Ctrl-C in the first seconds gets a message and an exit code too.
+        install_stop_handlers()
         prepare_launch_env()
         code = run_train(args)
     except UserError as err:
         print(f"error: {err}", file=sys.stderr, flush=True)
         code = EXIT_USER_ERROR
+    except Interrupted as stop:
+        print(stop.message(), file=sys.stderr, flush=True)
+        code = stop.exit_code
     record_exit_code(code)
     return code
 

@@ -272,11 +272,10 @@ def validate(cfg: RunConfig, world_size: int, has_gpu: bool, check_data: bool = 
     model = preset(cfg.model.preset, **cfg.model.overrides)
     p = cfg.parallel
     layout = ParallelLayout.for_world(world_size, tp=p.tp, cp=p.cp, sequence_parallel=p.sequence_parallel)
-    from megahybrid.model.specs import max_chunk_size
+    from megahybrid.model.mixers import check_context_parallel, max_chunk_size
 
     layout.check_model(model.num_heads, model.kv_heads, model.seq_length, max_chunk_size(model.pattern))
-    if layout.cp > 1 and "S" in model.pattern:
-        raise ConfigError("parallel.cp > 1: context parallelism for softmax layers is not available yet; set parallel.cp=1")
+    check_context_parallel(model.pattern, layout.cp)
     _check_numbers(cfg)
     _check_batch(cfg, layout)
     precision = resolved_precision(cfg, has_gpu)
@@ -359,6 +358,16 @@ def load_deepspeed_config(name_or_path: str) -> dict:
         ds = json.loads(path.read_text())
     except ValueError as err:
         raise ConfigError(f"train.deepspeed_config: {path} is not valid JSON ({err}); fix it") from None
+    if not isinstance(ds, dict):
+        raise ConfigError(f"train.deepspeed_config: {path} holds a JSON {type(ds).__name__}, not an object "
+                          '{"zero_optimization": {...}, ...}; see ds_configs/zero1.json')
+    checkpoint = ds.get("checkpoint") if isinstance(ds.get("checkpoint"), dict) else {}
+    engines = [key for key in ("writer", "load_universal") if checkpoint.get(key)]
+    if engines or ds.get("datastates_ckpt"):
+        raise ConfigError(
+            f"train.deepspeed_config: {path} selects another checkpoint engine ({engines or ['datastates_ckpt']}); "
+            "checkpoints are ours (README 'Checkpoints'): remove the setting"
+        )
     owned = [key for key in OWNED_DS_KEYS if key in ds]
     if owned:
         raise ConfigError(
