@@ -4,16 +4,17 @@
 #   4 stopped after non-finite losses | 1 (or anything else) crash. None but 3 is requeued.
 
 mh_environment() {
-    # Rendezvous on the allocation's first node; the port depends on the job id so jobs sharing a node differ.
+    # Rendezvous on the allocation's first node. The port depends on the job id, so jobs sharing a node differ,
+    # and on the restart, so a requeued run does not meet its predecessor's port still in TIME_WAIT.
     local first
+    MH_RESTART=${SLURM_RESTART_COUNT:-0}
     first=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
     MASTER_ADDR=$(scontrol show node "$first" | grep -o 'NodeAddr=[^ ]*' | cut -d= -f2)
     export MASTER_ADDR=${MASTER_ADDR:-$first}
-    export MASTER_PORT=$((20000 + SLURM_JOB_ID % 20000))
+    export MASTER_PORT=$((20000 + (SLURM_JOB_ID + 7919 * MH_RESTART) % 20000))
     export OMP_NUM_THREADS=${SLURM_CPUS_PER_TASK:-1}
     export TORCH_NCCL_ASYNC_ERROR_HANDLING=${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}
     export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
-    MH_RESTART=${SLURM_RESTART_COUNT:-0}
     MH_JOB=${SLURM_ARRAY_JOB_ID:+${SLURM_ARRAY_JOB_ID}_${SLURM_ARRAY_TASK_ID}}
     MH_JOB=${MH_JOB:-$SLURM_JOB_ID}
     MH_LOG_DIR=$RUN_DIR/slurm/logs
