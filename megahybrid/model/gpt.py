@@ -63,11 +63,24 @@ def build_model(cfg: ModelConfig, layout: ParallelLayout, precision: str = "fp32
         position_embedding_type="rope",
         rotary_base=int(cfg.rope_base),
     )
+    if layout.cp > 1:
+        from megahybrid.distributed import context_parallel_group
+        from megahybrid.model.cp import ContiguousShardRotary
+
+        model.rotary_pos_emb = ContiguousShardRotary(model.rotary_pos_emb, context_parallel_group().rank(), layout.cp)
     return model.to(device())
 
 
-def lm_loss(model: GPTModel, tokens: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross entropy over unmasked tokens of this rank's micro-batch."""
+def lm_loss(model: GPTModel, tokens: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor,
+            cp_group=None) -> torch.Tensor:
+    """Mean next-token cross entropy over unmasked tokens of this rank's micro-batch. Under context parallelism
+    (this rank holds one shard of each sequence) the sum of the shard is divided by the count of the whole
+    sequences and multiplied by cp, so the gradient average over the CP ranks is the sequence mean."""
     per_token = model(input_ids=tokens, position_ids=None, attention_mask=None, labels=labels)
     mask = loss_mask.to(per_token.dtype)
-    return (per_token.float() * mask).sum() / mask.sum().clamp(min=1)
+    count = mask.sum()
+    cp = 1 if cp_group is None else torch.distributed.get_world_size(cp_group)
+    if cp > 1:
+        count = count.detach().clone()
+        torch.distributed.all_reduce(count, group=cp_group)
+    return (per_token.float() * mask).sum() / count.clamp(min=1) * cp

@@ -182,9 +182,12 @@ class Trainer:
                 "stop": flags[2].item() > 0, "grad_norm": float(norm) if norm is not None else float("nan")}
 
     def _loss(self, batch: dict) -> torch.Tensor:
+        from megahybrid.model.cp import shard_batch
         from megahybrid.model.gpt import lm_loss
 
-        return lm_loss(self.engine, batch["tokens"], batch["labels"], batch["loss_mask"])
+        batch = shard_batch(batch, self.groups.cp_rank, self.groups.layout.cp)
+        cp_group = self.groups.cp_group if self.groups.layout.cp > 1 else None
+        return lm_loss(self.engine, batch["tokens"], batch["labels"], batch["loss_mask"], cp_group)
 
     @torch.no_grad()
     def evaluate(self) -> dict | None:
@@ -230,7 +233,7 @@ class Trainer:
             f"# derived: world_size={self.plan.world_size} tp={lay.tp} cp={lay.cp} dp={lay.dp} "
             f"grad_accumulation={self.gas} precision={self.plan.precision} zero_stage={zero_stage(self.ds_config)} "
             f"params={self.num_params / 1e6:.2f}M flops_per_token={self.flops_per_token:.3e} "
-            f"device={self.engine.device} {_state_line(self.plan.model)}"
+            f"device={self.engine.device} {_state_line(self.plan.model, lay.cp, self.plan.precision)}"
         )
         text = self.cfg.to_yaml() + derived
         print("resolved config:\n" + text, flush=True)
@@ -294,12 +297,17 @@ class Trainer:
               f"tensorboard: tensorboard --logdir {self.cfg.tensorboard_dir}", flush=True)
 
 
-def _state_line(model_cfg) -> str:
-    """Decode-state floats per sequence and layer of each mixer kind at the training context."""
-    from megahybrid.model.mixers import state_floats
+def _state_line(model_cfg, cp: int, precision: str) -> str:
+    """Decode-state floats per sequence and layer of each mixer kind at the training context, and under context
+    parallelism the bytes each CP rank sends per layer and sequence in a training step."""
+    from megahybrid.model.mixers import cp_bytes_per_layer, state_floats
 
     per_mixer = ",".join(f"{c}:{n}" for c, n in state_floats(model_cfg, model_cfg.seq_length).items())
-    return f"state_floats_per_layer@{model_cfg.seq_length}={per_mixer}"
+    line = f"state_floats_per_layer@{model_cfg.seq_length}={per_mixer}"
+    if cp > 1:
+        sent = cp_bytes_per_layer(model_cfg, cp, 2 if precision == "bf16" else 4)
+        line += " cp_bytes_sent_per_layer_per_sequence=" + ",".join(f"{c}:{n}" for c, n in sent.items())
+    return line
 
 
 def _quiet_deepspeed() -> None:

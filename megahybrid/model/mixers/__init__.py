@@ -24,6 +24,8 @@ class Mixer:
     state_floats(cfg, context): floats one sequence keeps per layer for decoding after `context` tokens (the KV
         cache for softmax, the fixed recurrent state for the recurrent mixers).
     cp: context parallelism (parallel.cp > 1) is implemented for it.
+    cp_bytes(cfg, cp, element_bytes): bytes one CP rank sends per layer, per sequence and training step
+        (forward + backward, ring collectives), or None where cp is False.
     cache: the name of its decode cache type ("" if none).
     """
 
@@ -35,6 +37,7 @@ class Mixer:
     state_floats: Callable
     chunk_size: int = 1
     cp: bool = False
+    cp_bytes: Callable | None = None
     cache: str = ""
     issue: str = ""
 
@@ -89,6 +92,11 @@ def check_context_parallel(pattern: str, cp: int) -> None:
         raise ConfigError(
             f"parallel.cp={cp}: context parallelism is not available yet for {', '.join(missing)}; set parallel.cp=1"
         )
+
+
+def cp_bytes_per_layer(cfg, cp: int, element_bytes: int) -> dict[str, int]:
+    """What each mixer kind of the pattern sends per CP rank, layer, sequence and training step."""
+    return {c: mixer_for(c).cp_bytes(cfg, cp, element_bytes) for c in dict.fromkeys(cfg.pattern)}
 
 
 def mixer_params(cfg) -> int:

@@ -43,16 +43,37 @@ class SDPAttention(MegatronModule):
                 packed_seq_params=None):
         if packed_seq_params is not None or attention_bias is not None:
             raise ValueError("SDPAttention does not support packed sequences or attention bias")
+        key, value = self._context_parallel_keys(key, value)
         q_BHSD, k_BHSD, v_BHSD = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+        # Decoding hands over the cached keys too, and CP the keys of earlier shards: the queries are the last
+        # positions either way, and SDPA's is_causal aligns the mask top-left, so a shorter query block gets the
+        # bottom-right causal mask explicitly.
+        sq, sk = q_BHSD.shape[2], k_BHSD.shape[2]
+        mask = None
+        if sq != sk:
+            mask = torch.ones(sq, sk, dtype=torch.bool, device=q_BHSD.device).tril(diagonal=sk - sq)
         out_BHSD = F.scaled_dot_product_attention(
             q_BHSD, k_BHSD, v_BHSD,
+            attn_mask=mask,
             dropout_p=self.dropout_p if self.training else 0.0,
-            is_causal=True,
+            is_causal=mask is None,
             scale=self.softmax_scale,
             enable_gqa=q_BHSD.shape[1] != k_BHSD.shape[1],
         )
         seq, batch = query.shape[0], query.shape[1]
         return out_BHSD.permute(2, 0, 1, 3).reshape(seq, batch, -1)
+
+    def _context_parallel_keys(self, key, value):
+        """Under context parallelism (contiguous shards, megahybrid.model.cp): the keys and values of this shard
+        and every earlier one, [s * (cp_rank + 1), b, heads, d]; later shards are causally invisible."""
+        if self.config.context_parallel_size == 1:
+            return key, value
+        from megahybrid.distributed import context_parallel_group
+        from megahybrid.model.cp import gather_sequence
+
+        group = context_parallel_group()
+        visible = key.shape[0] * (torch.distributed.get_rank(group) + 1)
+        return gather_sequence(key, 0, group)[:visible], gather_sequence(value, 0, group)[:visible]
 
 
 def softmax_spec(cfg) -> ModuleSpec:
@@ -85,5 +106,12 @@ def softmax_state_floats(cfg, context: int) -> int:
     return 2 * cfg.kv_heads * cfg.head_dim * context
 
 
+def softmax_cp_bytes(cfg, cp: int, element_bytes: int) -> int:
+    """Forward: a ring all-gather of this shard's K and V, (cp - 1) shards each; backward: an all-reduce of their
+    gradients over the gathered length, 2 (cp - 1) shards each (gloo has no reduce-scatter)."""
+    shard = cfg.kv_heads * cfg.head_dim * (cfg.seq_length // cp) * element_bytes
+    return 2 * 3 * (cp - 1) * shard
+
+
 SOFTMAX = Mixer("S", "softmax attention", softmax_spec, softmax_params, softmax_flops, softmax_state_floats,
-                chunk_size=1, cp=False, cache="KV cache")
+                chunk_size=1, cp=True, cp_bytes=softmax_cp_bytes, cache="KV cache")
