@@ -10,6 +10,7 @@ GRAD_TOL = 1e-4  # relative RMS error of each full (unsharded) gradient
 
 PATTERNS = [
     "S",
+    "N", "G", "GNS",
 ]
 LAYOUTS_2 = {"tp2": dict(tp=2), "tp2_sp": dict(tp=2, sequence_parallel=True), "dp2": dict(dp=2)}
 LAYOUTS_4 = {"tp2_dp2_sp": dict(tp=2, dp=2, sequence_parallel=True)}

@@ -34,7 +34,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from kernels.nats import chunk_selected_attention, chunk_selected_gdn, chunk_selected_gdn_step
-from kernels.nats.attention import selected_attention_prefill, selected_attention_step
+from kernels.nats.attention import SelectedAttentionCache, selected_attention_prefill, selected_attention_step
 from megahybrid.errors import ConfigError
 from megahybrid.model.mixers import Mixer
 
@@ -98,28 +98,24 @@ def _chunk_mean(x: torch.Tensor) -> torch.Tensor:
     return padded.sum(2) / counts.view(1, NC, *([1] * (x.dim() - 2)))
 
 
-def _attend(q, k, v, keep, scale):
-    """The attention op; v wider than q/k is served as v's q-wide slices until the op takes Dv != Dk."""
-    d = q.shape[-1]
-    return torch.cat([chunk_selected_attention(q, k, vp, keep, scale=scale) for vp in v.split(d, -1)], -1)
-
-
 @dataclass
 class NatsDecodeCache:
     """One layer's decode state for one batch: conv inputs of the last conv_size - 1 tokens, the GDN state and
-    its rollback copy (the open chunk's start state, decayed), the attention caches (kept chunks + open chunk;
-    one per q-wide slice of v until the op takes Dv != Dk), the open chunk's summed score logits and length."""
+    its rollback copy (the open chunk's start state, decayed; `N` only), the attention cache (kept chunks + open
+    chunk; `N` only), the open chunk's summed score logits and its length."""
 
     conv_tail: torch.Tensor
     state: torch.Tensor
     rollback: torch.Tensor
-    attention: list
+    attention: SelectedAttentionCache | None
     score_sum: torch.Tensor | None
     n_open: int
 
     def nbytes(self) -> int:
         tensors = [self.conv_tail, self.state, self.rollback]
-        tensors += [t for c in self.attention for t in (c.k_kept, c.v_kept, c.k_cur, c.v_cur)]
+        if self.attention is not None:
+            c = self.attention
+            tensors += [c.k_kept, c.v_kept, c.k_cur, c.v_cur]
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
@@ -245,19 +241,23 @@ class NatsLayer(MegatronModule):
         keep_attn, keep_gdn = self._choose(_chunk_mean(score))
         o_gdn, _ = chunk_selected_gdn(q, k, v, g, beta, keep_gdn, use_qk_l2norm=True)
         qa, ka, va = self._attention_view(q, k, v)
-        o_attn = _attend(qa, ka, va, keep_attn.repeat_interleave(self.per_head, 1), self.dqk ** -0.5)
+        o_attn = chunk_selected_attention(qa, ka, va, keep_attn.repeat_interleave(self.per_head, 1),
+                                          scale=self.dqk ** -0.5)
         return self._merge(q, o_gdn, o_attn, gate)
 
     def _decode(self, parts, context):
-        """Prefill (the first call, sequence_len_offset = 0, the whole prompt) builds this layer's cache in
-        context.key_value_memory_dict[layer_number]; later calls take one token each."""
+        """The first call (sequence_len_offset = 0) is a prefill that builds this layer's cache in
+        context.key_value_memory_dict[layer_number]; later calls advance it token by token (a later call with
+        several tokens, a prefill in pieces, runs them as steps)."""
         memory = context.key_value_memory_dict
         if context.sequence_len_offset == 0:
             o, memory[self.layer_number] = self._prefill(parts)
             return o
-        if parts[0].shape[1] != 1 or self.layer_number not in memory:
-            raise ValueError("NAtS-L decoding takes the whole prompt at sequence_len_offset 0, then one token a call")
-        return self._step(parts, memory[self.layer_number])
+        if self.layer_number not in memory:
+            raise ValueError(f"no NAtS-L cache for layer {self.layer_number}: start decoding at sequence_len_offset 0")
+        cache = memory[self.layer_number]
+        steps = [self._step([p[:, t:t + 1] for p in parts], cache) for t in range(parts[0].shape[1])]
+        return torch.cat(steps, 1)
 
     def _prefill(self, parts):
         q, k, v, gate, g, beta, score, tail = self._inputs(parts)
@@ -268,13 +268,13 @@ class NatsLayer(MegatronModule):
         else:
             keep_gdn = torch.ones(B, self.H, math.ceil(T / CHUNK), device=q.device)
         o_gdn, state, rollback = self._gdn_prefill(q, k, v, g, beta, keep_gdn, n)
-        cache = NatsDecodeCache(tail, state, rollback if self.select else None, [], None, T - n)
+        cache = NatsDecodeCache(tail, state, rollback if self.select else None, None, None, T - n)
         if not self.select:
             return self._merge(q, o_gdn, None, gate), cache
         qa, ka, va = self._attention_view(q, k, v)
         keep = keep_attn.detach().repeat_interleave(self.per_head, 1)
-        o_attn = _attend(qa, ka, va, keep, self.dqk ** -0.5)
-        cache.attention = [selected_attention_prefill(ka, vp, keep, CHUNK) for vp in va.split(self.dqk, -1)]
+        o_attn = chunk_selected_attention(qa, ka, va, keep, scale=self.dqk ** -0.5)
+        cache.attention = selected_attention_prefill(ka, va, keep, CHUNK)
         cache.score_sum = score[:, n:].sum(1)
         return self._merge(q, o_gdn, o_attn, gate), cache
 
@@ -317,11 +317,9 @@ class NatsLayer(MegatronModule):
         if not self.select:
             return self._merge(q, o_gdn[:, None], None, gate)
         qa, ka, va = (x[:, 0] for x in self._attention_view(q, k, v))
-        o_attn = torch.cat([selected_attention_step(qa, ka, vp, c, self.dqk ** -0.5)
-                            for vp, c in zip(va.split(self.dqk, -1), cache.attention)], -1)
+        o_attn = selected_attention_step(qa, ka, va, cache.attention, self.dqk ** -0.5)
         if keep_attn is not None:
-            for c in cache.attention:
-                c.commit(keep_attn.repeat_interleave(self.per_head, 1))
+            cache.attention.commit(keep_attn.repeat_interleave(self.per_head, 1))
         return self._merge(q, o_gdn[:, None], o_attn[:, None], gate)
 
     def tensorboard_scalars(self) -> dict[str, float]:
