@@ -1,4 +1,5 @@
-"""The `megahybrid` command: `megahybrid train --config NAME_OR_PATH [key=value ...]` and `megahybrid data ...`.
+"""The `megahybrid` command: `megahybrid train --config NAME_OR_PATH [key=value ...]`, `megahybrid data ...` and
+`megahybrid convert ...`.
 
 User errors (config, data, launch environment, checkpoints) print one line `error: ...` to stderr and exit with
 code 2, without a traceback. Training exit codes are listed in megahybrid/train/trainer.py.
@@ -28,6 +29,9 @@ def parser() -> argparse.ArgumentParser:
     from megahybrid.data.cli import add_data_commands
 
     add_data_commands(subparsers)
+    from megahybrid.convert.cli import add_convert_command
+
+    add_convert_command(subparsers)
     return top
 
 
@@ -97,6 +101,7 @@ def _has_gpu() -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     from megahybrid.errors import UserError
+    from megahybrid.train.signals import Interrupted, install_stop_handlers
 
     args = parser().parse_args(argv)
     if args.command == "data":
@@ -104,11 +109,20 @@ def main(argv: list[str] | None = None) -> int:
 
         return run(args)
     try:
+        if args.command == "convert":
+            from megahybrid.convert.cli import run
+
+            return run(args)
+        # Before torch is imported: a SIGTERM or Ctrl-C in the first seconds gets a message and an exit code too.
+        install_stop_handlers()
         prepare_launch_env()
         return run_train(args)
     except UserError as err:
         print(f"error: {err}", file=sys.stderr, flush=True)
         return EXIT_USER_ERROR
+    except Interrupted as stop:
+        print(stop.message(), file=sys.stderr, flush=True)
+        return stop.exit_code
 
 
 if __name__ == "__main__":

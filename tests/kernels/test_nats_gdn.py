@@ -87,7 +87,7 @@ def test_head_dims_64_and_192(K, V, nan_empty):
 
 def test_gpu_state_tile_padding_in_interpreter(nan_empty, monkeypatch):
     """The GPU's state tile for K = 64 (128 rows, the upper half masked) gives the same result."""
-    monkeypatch.setattr(gdn_chunk, "_state_bk", lambda K, device: max(128, gdn_chunk._pow2(K)))
+    monkeypatch.setattr(gdn_chunk, "_state_bk", lambda K, device: max(128, gdn_chunk.next_pow2(K)))
     compare(make_inputs(1, 70, 1, 64, 16, seed=13), FP32_TOL)
 
 
@@ -243,7 +243,8 @@ def grid_errors(K, V, dtype, Ts, B=2, H=2):
         inputs = make_inputs(B, T, H, K, V, dtype=getattr(torch, dtype), seed=T + K + V)
         try:
             with nan_poisoned_empty():
-                out[T] = errors_vs_naive(inputs, decay_dropped=T % 2 == 0)[0]
+                # both rollback rules and both dkeep options across the two short lengths
+                out[T] = errors_vs_naive(inputs, decay_dropped=T < 200, dkeep_dropped=T >= 200)[0]
         except ValueError as e:
             out[T] = f"refused: {e}"
     return out
