@@ -7,15 +7,21 @@ from tests.utils import assert_close
 
 LOSS_TOL = 1e-5  # fp32, reductions reordered across ranks
 GRAD_TOL = 1e-4  # relative RMS error of each full (unsharded) gradient
+# NAtS-L / GDN: first-step gradients agree to 5e-6, but the decay parameters' gradients (sums over every token
+# with heavy cancellation) turn the fp32 reorderings of two AdamW steps into ~3e-4 by the third step.
+GRAD_TOL_RECURRENT = 1e-3
 
 PATTERNS = [
     "S",
+    "N", "G", "GNS",
 ]
 LAYOUTS_2 = {"tp2": dict(tp=2), "tp2_sp": dict(tp=2, sequence_parallel=True), "dp2": dict(dp=2)}
 LAYOUTS_4 = {"tp2_dp2_sp": dict(tp=2, dp=2, sequence_parallel=True)}
 
 
 def _train_layouts(rank, world, layouts, steps):
+    import os
+
     from tests.minimal_train import train_steps
     from megahybrid.distributed import init_distributed, shutdown
     from megahybrid.model.config import preset
@@ -25,6 +31,8 @@ def _train_layouts(rank, world, layouts, steps):
 
     out = {}
     for pattern in PATTERNS:
+        # N / G: the NAtS-L ops' torch CPU paths (chosen per call; their Triton kernels have their own tests).
+        os.environ["TRITON_INTERPRET"] = "0" if set(pattern) <= set("SNG") else "1"
         cfg = preset("tiny", pattern=pattern, num_layers=max(2, len(pattern)))
         for name, dims in layouts.items():
             groups = init_distributed(ParallelLayout(**dims))
@@ -52,6 +60,7 @@ def test_losses_and_grads_match_across_layouts(reference, world, layouts):
             assert len(ref_grads) > 10
             assert losses == pytest.approx(ref_losses, rel=LOSS_TOL), f"{where} losses {losses} vs {ref_losses}"
             assert grads.keys() == ref_grads.keys(), where
+            tol = GRAD_TOL_RECURRENT if set(pattern) & set("NG") else GRAD_TOL
             for key in ref_grads:
-                assert_close(grads[key], ref_grads[key], GRAD_TOL, f"{where} grad {key}")
+                assert_close(grads[key], ref_grads[key], tol, f"{where} grad {key}")
             assert ref_losses[2] < ref_losses[0], f"{where}: training did not reduce the loss"
