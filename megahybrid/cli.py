@@ -1,4 +1,5 @@
-"""The `megahybrid` command: `megahybrid train --config NAME_OR_PATH [key=value ...]` and `megahybrid data ...`.
+"""The `megahybrid` command: `megahybrid train --config NAME_OR_PATH [key=value ...]`, `megahybrid data ...` and
+`megahybrid convert ...` and `megahybrid slurm submit ...`.
 
 User errors (config, data, launch environment, checkpoints) print one line `error: ...` to stderr and exit with
 code 2, without a traceback. Training exit codes are listed in megahybrid/train/trainer.py.
@@ -28,6 +29,12 @@ def parser() -> argparse.ArgumentParser:
     from megahybrid.data.cli import add_data_commands
 
     add_data_commands(subparsers)
+    from megahybrid.convert.cli import add_convert_command
+
+    add_convert_command(subparsers)
+    from megahybrid.slurm import add_slurm_commands
+
+    add_slurm_commands(subparsers)
     return top
 
 
@@ -76,6 +83,9 @@ def run_train(args) -> int:
     from megahybrid.train.config import load_config
 
     cfg = load_config(args.config, args.overrides)
+    from megahybrid.mpi import check_config_agreement
+
+    check_config_agreement(cfg.to_dict())
     if cfg.train.deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     if args.print_config:
@@ -97,6 +107,8 @@ def _has_gpu() -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     from megahybrid.errors import UserError
+    from megahybrid.slurm import record_exit_code
+    from megahybrid.train.signals import Interrupted, install_stop_handlers
 
     args = parser().parse_args(argv)
     if args.command == "data":
@@ -104,11 +116,26 @@ def main(argv: list[str] | None = None) -> int:
 
         return run(args)
     try:
+        if args.command == "convert":
+            from megahybrid.convert.cli import run
+
+            return run(args)
+        if args.command == "slurm":
+            from megahybrid.slurm import run
+
+            return run(args)
+        # Before torch is imported: a SIGTERM or Ctrl-C in the first seconds gets a message and an exit code too.
+        install_stop_handlers()
         prepare_launch_env()
-        return run_train(args)
+        code = run_train(args)
     except UserError as err:
         print(f"error: {err}", file=sys.stderr, flush=True)
-        return EXIT_USER_ERROR
+        code = EXIT_USER_ERROR
+    except Interrupted as stop:
+        print(stop.message(), file=sys.stderr, flush=True)
+        code = stop.exit_code
+    record_exit_code(code)
+    return code
 
 
 if __name__ == "__main__":

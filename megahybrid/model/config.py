@@ -51,10 +51,48 @@ class InterdomainOptions:
 
 @dataclass
 class NatsOptions:
-    """Options of the NAtS-L family (`N`, `G`); set as `model.nats.<field>=...`."""
+    """Options of the NAtS-L family (`N`, `G`); set as `model.nats.<field>=...` (megahybrid/model/mixers/nats.py).
 
+    The GDN view has `gdn_heads` heads of q/k width `gdn_head_dim` (K) and value width `expand_v * K` (V); the
+    `N` layer's attention view splits the same q, k, v channels into `attention_heads` heads. `selection`:
+    "argmax" (straight-through) or "gumbel" (Gumbel-softmax, hard, in training). `kept_fraction` is the share of
+    chunks assumed kept by attention in the FLOP and decode-state counts (1.0 = every chunk, the worst case).
+    """
+
+    gdn_heads: int = 6
     gdn_head_dim: int = 128
+    expand_v: int = 2
+    attention_heads: int = 12
     conv_size: int = 4
+    selection: str = "argmax"
+    kept_fraction: float = 1.0
+
+    @property
+    def gdn_value_dim(self) -> int:
+        return self.expand_v * self.gdn_head_dim
+
+    @property
+    def attn_qk_dim(self) -> int:
+        return self.gdn_heads * self.gdn_head_dim // self.attention_heads
+
+    @property
+    def attn_v_dim(self) -> int:
+        return self.gdn_heads * self.gdn_value_dim // self.attention_heads
+
+    def validate(self) -> None:
+        for name in ("gdn_heads", "gdn_head_dim", "expand_v", "attention_heads", "conv_size"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"model.nats.{name}={getattr(self, name)} must be >= 1")
+        if self.attention_heads % self.gdn_heads:
+            raise ConfigError(f"model.nats.attention_heads={self.attention_heads} must be a multiple of "
+                              f"model.nats.gdn_heads={self.gdn_heads} (each attention head views one GDN head)")
+        if self.gdn_head_dim % (self.attention_heads // self.gdn_heads):
+            raise ConfigError(f"model.nats.gdn_head_dim={self.gdn_head_dim} must split into "
+                              f"{self.attention_heads // self.gdn_heads} attention heads per GDN head")
+        if self.selection not in ("argmax", "gumbel"):
+            raise ConfigError(f"model.nats.selection={self.selection!r}: choose 'argmax' or 'gumbel'")
+        if not 0.0 <= self.kept_fraction <= 1.0:
+            raise ConfigError(f"model.nats.kept_fraction={self.kept_fraction} must be in [0, 1]")
 
 
 # Fields of ModelConfig that hold one mixer family's options; YAML / overrides give them as mappings.
@@ -125,6 +163,8 @@ class ModelConfig:
             mixer_for(char)
         if set(self.pattern) & {"I", "D"}:
             self.interdomain.check(self.hidden_size, self.head_dim)
+        if set(self.pattern) & set("NG"):
+            self.nats.validate()
         if self.num_layers % len(self.pattern):
             raise ConfigError(
                 f"model.pattern {self.pattern!r} (length {len(self.pattern)}) does not tile "
@@ -155,13 +195,25 @@ def _options(name: str, cls, current, value):
     return dataclasses.replace(current, **value)
 
 
+NATSL_HYBRID = "".join("N" if i in (3, 7, 11, 15, 19, 20) else "G" for i in range(21))
+
 # Llama proportions; parameter counts (vocab 32000, untied) are in docs and checked by tests/test_model.py.
 PRESETS: dict[str, ModelConfig] = {
-    "tiny": ModelConfig(num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, vocab_size=512, seq_length=128),
+    # `N` / `G` on the tiny model: 2 GDN heads x 32 (V = 64), 4 attention heads of q/k 16, v 32.
+    "tiny": ModelConfig(num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, vocab_size=512, seq_length=128,
+                        nats=NatsOptions(gdn_heads=2, gdn_head_dim=32, attention_heads=4)),
     "125m": ModelConfig(num_layers=12, hidden_size=768, num_heads=12, vocab_size=32000, seq_length=4096),
     "350m": ModelConfig(num_layers=24, hidden_size=1024, num_heads=16, vocab_size=32000, seq_length=4096),
     "760m": ModelConfig(num_layers=24, hidden_size=1536, num_heads=12, vocab_size=32000, seq_length=4096),
     "1.3b": ModelConfig(num_layers=24, hidden_size=2048, num_heads=16, vocab_size=32000, seq_length=4096),
+    # The NAtS-L reference's shipped configs (automl/NeuralAttentionSearchLinear experiments/configs): the
+    # Hybrid layout, `G` layers with `N` at layers 3, 7, 11, 15, 19, 20. num_heads is for an `S` of the same size.
+    "natsl-340m": ModelConfig(num_layers=21, hidden_size=1024, num_heads=16, ffn_hidden_size=2816, vocab_size=32000,
+                              seq_length=4096, pattern=NATSL_HYBRID, norm_eps=1e-6,
+                              nats=NatsOptions(gdn_heads=6, gdn_head_dim=128, attention_heads=12)),
+    "natsl-760m": ModelConfig(num_layers=21, hidden_size=1536, num_heads=12, ffn_hidden_size=4096, vocab_size=32000,
+                              seq_length=4096, pattern=NATSL_HYBRID, norm_eps=1e-6,
+                              nats=NatsOptions(gdn_heads=6, gdn_head_dim=192, attention_heads=18)),
 }
 
 

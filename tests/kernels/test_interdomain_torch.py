@@ -1,5 +1,7 @@
 """Interdomain Attention: the chunked torch path (CPU tensors, full readouts) and the readout C vs the naive
 definition; GPU checks of the Triton kernels at the presets' shapes."""
+import re
+
 import pytest
 import torch
 
@@ -59,11 +61,11 @@ def compare_readout(inputs, readout, tol, grad_tol=None, normalize=False, **kw):
     (64, 32, 24, 16, False, False),
     (100, 8, 16, 24, True, False),
     (64, 64, 16, 8, True, True),
-    (300, 64, 8, 12, False, True),
+    (300, 16, 8, 12, False, True),
 ])
-def test_readout_matches_naive(nan_empty, T, M, K, V, normalize, init):
-    """The full readout (torch path on any device): output, final state and every gradient incl. dC."""
-    inputs = make_inputs(2, T, 2, K, V, M, normalize=normalize, init=init, device="cpu")
+def test_readout_matches_naive(nan_empty, torch_path, T, M, K, V, normalize, init):
+    """The full readout on the torch path: output, final state and every gradient incl. dC."""
+    inputs = make_inputs(1, T, 2, K, V, M, normalize=normalize, init=init, device="cpu")
     compare_readout(inputs, make_readout(2, M, normalize), FP32_TOL, normalize=normalize)
 
 
@@ -91,16 +93,38 @@ def test_torch_path_strong_decay(nan_empty, torch_path):
     compare(inputs, FP32_TOL)
 
 
+@pytest.mark.parametrize("T,M,K,V,C,normalize", [
+    (1, 8, 16, 24, 64, True),
+    (63, 1, 16, 24, 64, False),
+    (100, 32, 24, 16, 32, True),
+    (300, 16, 16, 24, 64, False),
+    (70, 64, 16, 8, 64, True),
+])
+def test_readout_kernels_match_naive(nan_empty, T, M, K, V, C, normalize):
+    """The chunk kernels with the readout (interpreter, fp32: _fwd_mixed_kernel, _bwd_a_mixed_kernel, dP summed on
+    the host): output, final state and every gradient incl. dC."""
+    inputs = make_inputs(1, T, 2, K, V, M, normalize=normalize, device="cpu")
+    compare_readout(inputs, make_readout(2, M, normalize), FP32_TOL, normalize=normalize, chunk_size=C)
+
+
 def test_dispatch(monkeypatch):
-    q = torch.zeros(1, 1, 1, 1)
+    from kernels.interdomain import chunk
+
+    q, c = torch.zeros(1, 1, 1, 1), torch.zeros(1)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    assert not uses_torch_path(q) and uses_torch_path(q, readout=torch.zeros(1))
+    assert not uses_torch_path(q) and not uses_torch_path(q, readout=c)
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    assert uses_torch_path(q)
+    assert uses_torch_path(q) and uses_torch_path(q, readout=c)
+    assert chunk.READOUT_ON_GPU
+    if torch.cuda.is_available():
+        assert not uses_torch_path(q.cuda()) and not uses_torch_path(q.cuda(), readout=c)
+        assert uses_torch_path(q.cuda(), readout=c, normalize=True)
+        monkeypatch.setattr(chunk, "READOUT_ON_GPU", False)
+        assert uses_torch_path(q.cuda(), readout=c)
 
 
 @pytest.mark.parametrize("normalize", [False, True])
-def test_readout_split_equals_one_call(nan_empty, normalize):
+def test_readout_split_equals_one_call(nan_empty, torch_path, normalize):
     """With a readout the state stays the unmixed U, Gamma, eta: T = a + b in two calls equals one call."""
     q, k, v, decay, b, *state = make_inputs(1, 150, 2, 16, 24, 8, normalize=normalize, device="cpu")
     c = make_readout(2, 8, normalize)
@@ -207,11 +231,90 @@ def interdomain_torch_fp32(torch_chunk, q, k, v, decay, b, initial_state, output
         torch.backends.cuda.matmul.allow_tf32 = prev
 
 
+@pytest.fixture(params=["torch", "kernels"])
+def gpu_readout(monkeypatch, request):
+    """A readout on the GPU through the torch path (the default) or the chunk kernels (chunk.READOUT_ON_GPU)."""
+    from kernels.interdomain import chunk
+
+    monkeypatch.setattr(chunk, "READOUT_ON_GPU", request.param == "kernels")
+
+
 @pytest.mark.gpu
 @requires_gpu
-@pytest.mark.parametrize("normalize", [False, True])
-def test_readout_gpu_bf16(nan_empty, normalize):
-    """The readout on the GPU (torch path, bf16 inputs computed in fp32) against naive.py in fp32."""
-    inputs = make_inputs(2, 300, 3, 64, 64, 32, dtype=torch.bfloat16, normalize=normalize, device="cuda")
-    compare_readout(inputs, make_readout(3, 32, normalize, device="cuda"), BF16_TOL, BF16_GRAD_TOL,
+@pytest.mark.parametrize("T,M,normalize", [(300, 32, False), (100, 32, True), (1000, 64, False)])
+def test_readout_gpu_bf16(nan_empty, gpu_readout, T, M, normalize):
+    """The readout on the GPU, bf16 inputs, against naive.py in fp32."""
+    inputs = make_inputs(2, T, 3, 64, 64, M, dtype=torch.bfloat16, normalize=normalize, device="cuda")
+    compare_readout(inputs, make_readout(3, M, normalize, device="cuda"), BF16_TOL, BF16_GRAD_TOL,
                     normalize=normalize)
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("T,M", [(300, 32), (200, 64)])
+def test_readout_gpu_fp32(nan_empty, gpu_readout, T, M):
+    inputs = make_inputs(2, T, 3, 64, 64, M, device="cuda")
+    compare_readout(inputs, make_readout(3, M, device="cuda"), FP32_TOL)
+
+
+@pytest.mark.parametrize("path", ["torch", "interpreter"])
+def test_decay_check_sees_writes_through_data(monkeypatch, path):
+    """Issue 21 case 12: a write through decay.data (no version bump) after a checked call is refused."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0" if path == "torch" else "1")
+    q, k, v, decay, b, u0, g0 = make_inputs(1, 1, 2, 16, 16, 4, device="cpu")
+    interdomain_step(q[:, 0], k[:, 0], v[:, 0], decay, b, (u0, g0))
+    version = decay._version
+    decay.data[0, 0, 0] = 0.5
+    assert decay._version == version
+    with pytest.raises(ValueError, match=re.escape("log|lambda| must be <= 0")):
+        interdomain_step(q[:, 0], k[:, 0], v[:, 0], decay, b, (u0, g0))
+
+
+@pytest.mark.gpu
+@requires_gpu
+def test_decay_check_sees_writes_through_data_gpu():
+    """On the GPU the cached tensor's check runs on the device without a sync; a later call raises."""
+    q, k, v, decay, b, u0, g0 = make_inputs(1, 1, 2, 16, 16, 4, device="cuda")
+    interdomain_step(q[:, 0], k[:, 0], v[:, 0], decay, b, (u0, g0))
+    decay.data[0, 0, 0] = 0.5
+    with pytest.raises(ValueError, match=re.escape("log|lambda| must be <= 0")):
+        for _ in range(4):
+            interdomain_step(q[:, 0], k[:, 0], v[:, 0], decay, b, (u0, g0))
+            torch.cuda.synchronize()
+    decay.data[0, 0, 0] = -0.5
+    for _ in range(3):
+        interdomain_step(q[:, 0], k[:, 0], v[:, 0], decay, b, (u0, g0))
+        torch.cuda.synchronize()
+
+
+@pytest.mark.parametrize("T,M,K,V,normalize,init", [
+    (1, 8, 16, 24, False, True),
+    (5, 1, 20, 40, True, False),
+    (63, 32, 16, 24, True, True),
+    (30, 64, 16, 8, False, True),
+])
+def test_fused_recurrent_readout_matches_naive(nan_empty, T, M, K, V, normalize, init):
+    """The fused recurrent kernel (interpreter) with a readout: a P per token, padded modes masked."""
+    q, k, v, decay, b, *state = make_inputs(2, T, 2, K, V, M, normalize=normalize, init=init, device="cpu")
+    c = make_readout(2, M, normalize)
+    o, st = interdomain_recurrent(q, k, v, decay, b, tuple(state) or None, normalize, readout=c)
+    ro, rst = interdomain_attention_naive(q, k, v, decay, b, tuple(state) or None, True, normalize, readout=c)
+    print(f"o={rel_rms_error(o, ro):.2e}")
+    assert_close(o, ro, FP32_TOL, "recurrent o")
+    for i, (a, r) in enumerate(zip(st, rst)):
+        assert_close(a, r, FP32_TOL, f"recurrent final state {i}")
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("B,T,M", [(8, 1, 64), (2, 100, 32)])
+def test_fused_recurrent_readout_gpu_bf16(nan_empty, B, T, M):
+    """The fused decode kernel with a readout on the GPU (P in registers) against naive.py in fp32."""
+    q, k, v, decay, b, *state = make_inputs(B, T, 3, 64, 64, M, dtype=torch.bfloat16, device="cuda")
+    c = make_readout(3, M, device="cuda")
+    o, st = interdomain_recurrent(q, k, v, decay, b, tuple(state), readout=c)
+    ref = [x.float() for x in (q, k, v)]
+    ro, rst = interdomain_attention_naive(*ref, decay, b, tuple(state), True, readout=c)
+    assert_close(o, ro, BF16_TOL, "recurrent o")
+    for i, (a, r) in enumerate(zip(st, rst)):
+        assert_close(a, r, 1e-3, f"recurrent final state {i}")
