@@ -274,7 +274,7 @@ def run_grid_case(K, V, dtype, Ts, B=2, H=2):
 @requires_gpu
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("V", [64, 128, 256, 384])
-@pytest.mark.parametrize("K", [64, 128, 192, 256])
+@pytest.mark.parametrize("K", [32, 64, 128, 192, 256])
 def test_gpu_head_size_grid(K, V, dtype):
     run_grid_case(K, V, dtype, [100, 300])
 

@@ -326,8 +326,11 @@ def kept_chunk_lists(keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return far_idx.contiguous(), n_far.contiguous()
 
 
-def _head_dims(DK: int, DV: int) -> dict:
-    return dict(DK=DK, BDK=next_pow2(DK), DV=DV, BDV=next_pow2(DV))
+def _head_dims(DK: int, DV: int, device: torch.device) -> dict:
+    """Head-dim tiles: at least 64 wide on the GPU, where the tiny model's 16/32-wide ones faulted with an illegal
+    address on the H200 (Triton 3.6 sm_90 narrow tiles, as in the GDN op); columns >= D are masked."""
+    lo = 64 if device.type == "cuda" else 16
+    return dict(DK=DK, BDK=next_pow2(DK, lo), DV=DV, BDV=next_pow2(DV, lo))
 
 
 def _precision(q: torch.Tensor) -> str:
@@ -379,7 +382,7 @@ def chunk_selected_attention_fwd(
     cfg = _config(q, "fwd")
     _fwd_kernel[(triton.cdiv(NC, cfg["G"]), B * H)](
         q, k_far, v_far, k, v, o, lse, keep.float().contiguous(), far_idx, n_far, scale * LOG2E,
-        T, NC, *strides, H=H, **_head_dims(DK, DV), BT=chunk_size, PREC=_precision(q), INTERPRET=_interpret(q), **cfg,
+        T, NC, *strides, H=H, **_head_dims(DK, DV, q.device), BT=chunk_size, PREC=_precision(q), INTERPRET=_interpret(q), **cfg,
     )
     return o, lse
 
@@ -412,7 +415,7 @@ def chunk_selected_attention_bwd(
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     dkeep = torch.empty(B, H, NC, device=q.device, dtype=torch.float32)
     keep = keep.float().contiguous()
-    consts = dict(H=H, **_head_dims(DK, v.shape[-1]), BT=chunk_size, PREC=_precision(q), INTERPRET=_interpret(q))
+    consts = dict(H=H, **_head_dims(DK, v.shape[-1], q.device), BT=chunk_size, PREC=_precision(q), INTERPRET=_interpret(q))
     cfg = _config(q, "dq")
     _bwd_dq_kernel[(triton.cdiv(NC, cfg["G"]), B * H)](
         q, k, v, o, do, lse, delta, keep, far_idx, n_far, dq, scale * LOG2E, scale, T, NC, **consts, **cfg,

@@ -483,6 +483,13 @@ def _state_bk(K: int, device: torch.device) -> int:
     return next_pow2(K) if device.type != "cuda" else max(128, next_pow2(K))
 
 
+def _chunk_bk(K: int, device: torch.device) -> int:
+    """K tile of the chunk-parallel kernels: up to 64 wide, the loops cover larger K. On the GPU always 64: the
+    tiny model's K = 32 (32-wide tiles) faulted with an illegal address on the H200 (Triton 3.6 sm_90, as the
+    narrow state tile of _state_bk); columns >= K are masked to zero."""
+    return 64 if device.type == "cuda" else min(64, next_pow2(K))
+
+
 def _loop_bv(V: int, dtype: torch.dtype) -> int:
     """V tile of the chunk-parallel kernels: 64 for 16-bit inputs, 32 for fp32 (bounds the pipelined tiles)."""
     return min(64 if dtype.itemsize == 2 else 32, next_pow2(V))
@@ -494,7 +501,7 @@ def _wy_fwd(k, v, g, beta):
     NT = triton.cdiv(T, BT)
     G = torch.empty(B, T, H, device=k.device, dtype=torch.float32)
     Ai = torch.empty(B, T, H, BT, device=k.device, dtype=torch.float32)
-    _kkt_inv_kernel[(NT, B * H)](k, g, beta, G, Ai, T, H=H, K=K, BK=min(64, next_pow2(K)))
+    _kkt_inv_kernel[(NT, B * H)](k, g, beta, G, Ai, T, H=H, K=K, BK=_chunk_bk(K, k.device))
     return G, Ai
 
 
@@ -502,7 +509,7 @@ def _recompute_wu(k, v, beta, G, Ai):
     B, T, H, K = k.shape
     V = v.shape[-1]
     w, u = torch.empty_like(k), torch.empty_like(v)
-    _wu_kernel[(triton.cdiv(T, BT), B * H)](k, v, beta, G, Ai, w, u, T, H=H, K=K, V=V, BK=min(64, next_pow2(K)),
+    _wu_kernel[(triton.cdiv(T, BT), B * H)](k, v, beta, G, Ai, w, u, T, H=H, K=K, V=V, BK=_chunk_bk(K, k.device),
                                             BV=_loop_bv(V, k.dtype))
     return w, u
 
@@ -531,7 +538,7 @@ def chunk_selected_gdn_fwd(q, k, v, g, beta, keep, scale, initial_state, output_
     o = torch.empty_like(v)
     BV = _loop_bv(V, q.dtype)
     _fwd_o_kernel[(triton.cdiv(V, BV), NT, B * H)](q, k, v_new, h, G, o, scale, T, NT, H=H, K=K, V=V,
-                                                    BK=min(64, next_pow2(K)), BV=BV)
+                                                    BK=_chunk_bk(K, q.device), BV=BV)
     return o, ht, G, Ai
 
 
@@ -540,7 +547,7 @@ def chunk_selected_gdn_bwd(q, k, v, beta, keep, G, Ai, scale, initial_state, do,
     """Backward host function: recomputes w, u, h, v' and returns dq, dk, dv, dg, dbeta, dkeep, dh0."""
     B, T, H, K = q.shape
     V, NT = v.shape[-1], triton.cdiv(T, BT)
-    BK, BV = min(64, next_pow2(K)), _loop_bv(V, q.dtype)
+    BK, BV = _chunk_bk(K, q.device), _loop_bv(V, q.dtype)
     w, u = _recompute_wu(k, v, beta, G, Ai)
     h, v_new, _ = _fwd_h(k, w, u, G, keep, initial_state, False, decay_dropped)
     do = do.contiguous()
