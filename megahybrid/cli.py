@@ -1,4 +1,5 @@
-"""The `megahybrid` command: `megahybrid train --config NAME_OR_PATH [key=value ...]` and `megahybrid data ...`.
+"""The `megahybrid` command: `megahybrid train --config NAME_OR_PATH [key=value ...]`, `megahybrid data ...` and
+`megahybrid convert ...`.
 
 User errors (config, data, launch environment, checkpoints) print one line `error: ...` to stderr and exit with
 code 2, without a traceback. Training exit codes are listed in megahybrid/train/trainer.py.
@@ -28,6 +29,9 @@ def parser() -> argparse.ArgumentParser:
     from megahybrid.data.cli import add_data_commands
 
     add_data_commands(subparsers)
+    from megahybrid.convert.cli import add_convert_command
+
+    add_convert_command(subparsers)
     return top
 
 
@@ -104,6 +108,10 @@ def main(argv: list[str] | None = None) -> int:
 
         return run(args)
     try:
+        if args.command == "convert":
+            from megahybrid.convert.cli import run
+
+            return run(args)
         prepare_launch_env()
         return run_train(args)
     except UserError as err:

@@ -246,7 +246,8 @@ class CheckpointManager:
         if state.get("layout") != layout:
             raise UserError(
                 f"checkpoint {path} was saved with layout {state.get('layout')} but this run has {layout}: resume "
-                "with the same ranks and parallel layout, or pass --no-resume with another checkpoint.dir"
+                "with the same layout, or start a new checkpoint.dir with checkpoint.init_from=<that checkpoint> "
+                "(weights only; see also megahybrid convert)"
             )
         load_path, _ = engine.load_checkpoint(self.root, tag=tag, load_optimizer_states=True,
                                               load_lr_scheduler_states=False)

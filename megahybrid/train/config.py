@@ -86,6 +86,9 @@ class CheckpointSection:
     interval: int = 500
     keep: int = 3
     resume: bool = True
+    # Start from these weights (a training checkpoint at any layout, a consolidated or Hugging Face directory)
+    # with a fresh optimizer at step 0, unless checkpoint.dir already holds checkpoints to resume.
+    init_from: str | None = None
 
 
 @dataclass

@@ -85,6 +85,7 @@ class Trainer:
         self.is_logger = self.groups.is_loss_rank
         _quiet_deepspeed()
         self.model = build_model(plan.model, plan.layout, plan.precision)
+        self.init_source = self._init_weights(resume)
         self.engine, self.optimizer, self.ds_config = build_engine(
             self.model, self.cfg, self.groups, plan.ds_base, plan.precision)
         if self.cfg.train.compile:
@@ -105,6 +106,16 @@ class Trainer:
                                   self.cfg.tensorboard_dir if self.cfg.logging.tensorboard else None,
                                   self.cfg.train.steps)
         self.stop = StopRequest()
+
+    def _init_weights(self, resume: bool) -> str | None:
+        """checkpoint.init_from, before the engine copies the weights into ZeRO; a run with checkpoints resumes them."""
+        path = self.cfg.checkpoint.init_from
+        if not path or (resume and CheckpointManager(self.cfg.checkpoint_dir, 1).tags()):
+            return None
+        from megahybrid.convert.init import load_full_weights
+
+        load_full_weights(self.model, path, self.plan.model, self.groups.tp_rank, self.groups.layout.tp)
+        return path
 
     def _warn(self, message: str) -> None:
         if self.is_logger:
@@ -241,6 +252,8 @@ class Trainer:
         os.makedirs(self.cfg.run_dir, exist_ok=True)
         with open(os.path.join(self.cfg.run_dir, "config.yaml"), "w") as f:
             f.write(self.cfg.to_yaml())
+        if self.init_source:
+            print(f"initialized the weights from {self.init_source} (fresh optimizer, step 0)", flush=True)
         if self.resume_tag:
             print(f"resumed from {os.path.join(self.cfg.checkpoint_dir, self.resume_tag)} at step {self.step}",
                   flush=True)
