@@ -1,5 +1,5 @@
 """The `megahybrid` command: `megahybrid train --config NAME_OR_PATH [key=value ...]`, `megahybrid data ...` and
-`megahybrid convert ...`.
+`megahybrid convert ...`, `megahybrid eval ppl|recall|harness ...` and `megahybrid generate ...`.
 
 User errors (config, data, launch environment, checkpoints) print one line `error: ...` to stderr and exit with
 code 2, without a traceback. Training exit codes are listed in megahybrid/train/trainer.py.
@@ -32,6 +32,10 @@ def parser() -> argparse.ArgumentParser:
     from megahybrid.convert.cli import add_convert_command
 
     add_convert_command(subparsers)
+    from megahybrid.eval.cli import add_eval_commands, add_generate_command
+
+    add_eval_commands(subparsers)
+    add_generate_command(subparsers)
     return top
 
 
@@ -110,6 +114,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "convert":
             from megahybrid.convert.cli import run
+
+            return run(args)
+        if args.command in ("eval", "generate"):
+            from megahybrid.eval.cli import run
 
             return run(args)
         prepare_launch_env()
