@@ -245,3 +245,30 @@ def test_bad_inputs_one_line_exit_2(results):
         assert stderr.strip().splitlines()[-1] == lines[0], (name, stderr)
     assert "fewer than" in results["bad"]["too few tokens"][2]
     assert "--max-new-tokens" in results["bad"]["prompt too long"][2]
+
+
+def test_results_summary_keeps_going_on_any_json(tmp_path):
+    """tools/summarize_results.py over the shipped results plus odd files: every base family gets rows, a file it
+    cannot read gets one line, an eval record gets its curve."""
+    import importlib.util
+    import shutil
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    spec = importlib.util.spec_from_file_location("summarize_results", os.path.join(root, "tools", "summarize_results.py"))
+    summary = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(summary)
+    for name in os.listdir(os.path.join(root, "tools", "results")):
+        if name.endswith(".json"):
+            shutil.copy(os.path.join(root, "tools", "results", name), tmp_path / name)
+    (tmp_path / "broken-2026-12-01.json").write_text("{not json")
+    (tmp_path / "alist-2026-12-01.json").write_text("[1, 2]")
+    ppl = {"meta": {"date": "2026-12-01", "commit": "abc1234", "device": "cpu"}, "results": [{"label": "run (S)",
+           "train_length": 128, "buckets": [{"bucket": "<=64", "ppl": 12.5}, {"bucket": "64-128", "ppl": 11.0}]}]}
+    (tmp_path / "ppl-2026-12-01.json").write_text(json.dumps(ppl))
+    assert summary.family_of("interdomain-2026-11-30-plans-60b4f46") == ("interdomain-plans", "2026-11-30")
+    assert summary.main(["--results", str(tmp_path)]) == 0
+    text = (tmp_path / "README.md").read_text()
+    assert "| ppl run (S) | <=64: 12.50, 64-128: 11.00 | trained at 128 |" in text
+    assert "broken | - | unreadable (JSONDecodeError)" in text and "alist | - | not a {meta, rows} record" in text
+    assert "tok/s, MFU" in text and "NAtS attention T=4096" in text and "interdomain C=64 T=16384 M=32" in text
+    assert summary.main(["--results", str(tmp_path), "--check"]) == 0
