@@ -11,6 +11,7 @@ import os
 import pytest
 
 from tests.dist import run_on_ranks
+from tests.utils import requires_gpu
 
 PPL_TOL = 1e-5  # fp32, relative; the same forward, losses summed in another order
 LOGPROB_TOL = 1e-5
@@ -272,3 +273,38 @@ def test_results_summary_keeps_going_on_any_json(tmp_path):
     assert "broken | - | unreadable (JSONDecodeError)" in text and "alist | - | not a {meta, rows} record" in text
     assert "tok/s, MFU" in text and "NAtS attention T=4096" in text and "interdomain C=64 T=16384 M=32" in text
     assert summary.main(["--results", str(tmp_path), "--check"]) == 0
+
+
+def _gpu_body(rank, world):
+    import numpy as np
+    import torch
+
+    from megahybrid.eval.generate import Sampling, sample
+    from megahybrid.eval.loading import fresh
+    from megahybrid.eval.ppl import position_losses
+    from megahybrid.model.config import preset
+    from megahybrid.model.decode import full_logits
+
+    loaded = fresh(preset("tiny", seq_length=256), seed=3)
+    tokens = torch.randint(4, 512, (1, 40), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+    reference = tokens[:, :8]
+    for _ in range(24):
+        reference = torch.cat([reference, full_logits(loaded.model, reference)[:, -1:].argmax(-1)], 1)
+    greedy, _ = sample(loaded.model, tokens[:, :8], Sampling(24, temperature=0.0, stop_at_eos=False))
+    data = np.random.default_rng(0).integers(4, 512, size=2 * 256 + 1)
+    losses = position_losses(loaded.model, data, 256, 2, loaded.device)
+    x = torch.from_numpy(data).cuda()
+    want = sum(torch.nn.functional.cross_entropy(full_logits(loaded.model, x[None, w * 256:w * 256 + 256])[0],
+                                                  x[w * 256 + 1:w * 256 + 257], reduction="none").double().cpu()
+               for w in range(2)) / 2
+    return greedy.cpu(), reference.cpu(), losses, want
+
+
+@pytest.mark.gpu
+@requires_gpu
+def test_generation_and_ppl_on_gpu():
+    from tests.utils import assert_close
+
+    greedy, reference, losses, want = run_on_ranks(_gpu_body, 1, env={"TRITON_INTERPRET": "0"})[0]
+    assert greedy.equal(reference), (greedy, reference)
+    assert_close(losses, want, PPL_TOL, "position losses on the GPU")

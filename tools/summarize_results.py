@@ -114,6 +114,14 @@ def _recall_rows(rows, meta):
                "accuracy")
 
 
+def _eval_rows(rows, meta):
+    for r in rows:
+        yield (f"{r['preset']} {r['mixer']} T={r['T']}: eval ppl forward, decode after a T-token prompt",
+               f"{_num(r['eval_tok/s'], ',.0f')} tok/s eval, {_num(r.get('decode_tok/s B=1'), ',.0f')} / "
+               f"{_num(r.get('decode_tok/s B=16'), ',.0f')} tok/s decode at batch 1 / 16",
+               f"prefill {_num(r.get('prefill_ms'), '.1f')} ms")
+
+
 # (columns a row must have, rule): the first rule whose columns the first row has.
 RULES = [
     ({"preset", "tok/s"}, _train_rows),
@@ -121,6 +129,7 @@ RULES = [
     ({"speedup_vs_sdpa", "ours_ms"}, _nats_attention_rows),
     ({"fla_fwd_ms", "fwd_ms"}, _gdn_rows),
     ({"task", "accuracy"}, _recall_rows),
+    ({"mixer", "eval_tok/s"}, _eval_rows),
 ]
 
 

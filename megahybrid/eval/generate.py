@@ -49,6 +49,7 @@ def sample(model, prompt: torch.Tensor, sampling: Sampling, eos_id: int | None =
     B, T0 = prompt.shape
     generator = torch.Generator(device=prompt.device).manual_seed(sampling.seed)
     ctx = decode.new_context(B, T0 + sampling.max_new_tokens)
+    ctx.materialize_only_last_token_logits = True  # the prefill's other positions are not needed
     t0 = time.perf_counter()
     logits = decode.step_logits(model, prompt, ctx)[:, -1]
     _sync(prompt.device)
