@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from tests.dist import run_on_ranks
+from tests.utils import requires_gpu
 from tests.test_train_zero import train_config
 
 LOSS_TOL = 2e-5  # fp32; layouts differ only in the order of reductions
@@ -131,9 +132,20 @@ def _conversions(rank, world, root):
     generated = model.generate(tokens[:, :6], max_new_tokens=8, do_sample=False)
     stepwise = greedy_decode_logits(reference, generated).argmax(-1)[:, 5:-1]
     out.update(logits=(ours, theirs), kl=kl, generated=generated[:, 6:], stepwise=stepwise,
-               files=sorted(os.listdir(hf)))
+               files=sorted(os.listdir(hf)), tokenizer=_tokenizer_ids(hf))
+    half = sources.read(convert(os.path.join(root, "tp2_full"), "consolidated", os.path.join(root, "bf16"), "bf16"))
+    assert all(half.tensors[k].equal(v.bfloat16()) for k, v in weights.tensors.items())
     _bad_inputs(root, convert)
     return out
+
+
+def _tokenizer_ids(hf):
+    import sentencepiece
+    from transformers import AutoTokenizer
+
+    text = "The quick brown fox jumps over the lazy dog."
+    ours = sentencepiece.SentencePieceProcessor(model_file=os.path.join(hf, "tokenizer.model")).encode(text)
+    return ours, AutoTokenizer.from_pretrained(hf, trust_remote_code=True)(text)["input_ids"]
 
 
 def _bad_inputs(root, convert):
@@ -169,7 +181,7 @@ def _bad_inputs(root, convert):
 
 @pytest.mark.dist
 def test_convert_round_trip_and_init_from(data_dir, tmp_path):
-    from tests.utils import assert_close
+    from tests.utils import assert_close, rel_rms_error
 
     root = str(tmp_path)
     src = run_on_ranks(_sources, 2, root, data_dir)[0]
@@ -182,12 +194,15 @@ def test_convert_round_trip_and_init_from(data_dir, tmp_path):
     assert_close(conv["logits"][1], conv["logits"][0], LOGITS_TOL, "HF logits")
     assert conv["kl"] < KL_TOL, conv["kl"]
     assert conv["generated"].equal(conv["stepwise"]), (conv["generated"], conv["stepwise"])
+    assert conv["tokenizer"][0] == conv["tokenizer"][1] and len(conv["tokenizer"][0]) > 5, conv["tokenizer"]
     targets = run_on_ranks(_targets, 2, root, data_dir, os.path.join(root, "hf"))
     for rank_result in targets:
         for key, tensor in src["tp2"]["full"].items():
             assert rank_result["round_trip"][key].equal(tensor), f"TP=2 -> TP=1 -> HF -> TP=2: {key} differs"
         assert rank_result["first_loss"] == pytest.approx(src["tp2"]["loss"], rel=LOSS_TOL)
         assert "checkpoint.init_from" in rank_result["refusal"], rank_result["refusal"]
+    print(f"HF logits rel RMS {rel_rms_error(*conv['logits']):.2e} KL {conv['kl']:.2e}; first loss "
+          f"{targets[0]['first_loss']:.8f} vs source {src['tp2']['loss']:.8f}")
 
 
 def test_convert_cli_refuses_existing_output_in_one_line(tmp_path):
@@ -196,3 +211,65 @@ def test_convert_cli_refuses_existing_output_in_one_line(tmp_path):
                           "--output", str(tmp_path)], capture_output=True, text=True, env=env)
     assert out.returncode == 2 and out.stderr.strip().count("\n") == 0, out.stderr
     assert out.stderr.startswith("error: --output") and "--force" in out.stderr, out.stderr
+
+
+@pytest.mark.parametrize("stride", [1, 2])
+def test_shard_of_inverts_merge_shards(stride):
+    import torch
+
+    from megahybrid.model.sharding import merge_shards, shard_of
+
+    full = torch.arange(8 * 12 * 3, dtype=torch.float32).reshape(24, 12)
+    for dim in (0, 1):
+        shards = [shard_of(full, dim, stride, 3 if dim == 0 else 2, r) for r in range(3 if dim == 0 else 2)]
+        assert merge_shards(shards, dim, stride).equal(full)
+
+
+def test_unmapped_mixer_is_a_one_line_error(monkeypatch):
+    from megahybrid.convert import adapter
+    from megahybrid.errors import UserError
+    from megahybrid.model.config import preset
+
+    monkeypatch.setattr(adapter, "MIXER_MODULES", {})
+    with pytest.raises(UserError, match="mixer 'S' has no Hugging Face name mapping yet: add it to MIXER_MODULES"):
+        adapter.module_map(preset("tiny"))
+
+
+def _gpu_export(rank, world, root):
+    """A fresh tiny model exported, loaded by transformers on the GPU: logits and greedy generate() vs ours."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from megahybrid.convert.api import convert, run_yaml_for
+    from megahybrid.convert.files import write_weights
+    from megahybrid.convert.local import ensure_local_groups
+    from megahybrid.model.config import preset
+    from megahybrid.model.decode import full_logits, greedy_decode_logits
+    from megahybrid.model.gpt import build_model
+    from megahybrid.parallel import ParallelLayout
+
+    ensure_local_groups()
+    cfg = preset("tiny")
+    model = build_model(cfg, ParallelLayout()).eval()
+    src = os.path.join(root, "src")
+    os.makedirs(src)
+    write_weights({k: v.detach().cpu() for k, v in model.state_dict().items() if not k.endswith("_extra_state")}, src)
+    with open(os.path.join(src, "config.yaml"), "w") as f:
+        f.write(run_yaml_for(cfg))
+    hf = AutoModelForCausalLM.from_pretrained(convert(src, "hf", os.path.join(root, "hf")), trust_remote_code=True)
+    hf = hf.cuda().eval()
+    tokens = torch.randint(0, cfg.vocab_size, (2, 32), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    with torch.no_grad():
+        logits = (hf(tokens).logits.float().cpu(), full_logits(model, tokens).cpu())
+    generated = hf.generate(tokens[:, :8], max_new_tokens=8, do_sample=False)
+    return logits, generated[:, 8:].cpu(), greedy_decode_logits(model, generated).argmax(-1)[:, 7:-1].cpu()
+
+
+@pytest.mark.gpu
+@requires_gpu
+def test_exported_model_on_gpu_matches_training_model(tmp_path):
+    from tests.utils import assert_close
+
+    (theirs, ours), generated, stepwise = run_on_ranks(_gpu_export, 1, str(tmp_path))[0]
+    assert_close(theirs, ours, LOGITS_TOL, "HF logits on the GPU")
+    assert generated.equal(stepwise), (generated, stepwise)

@@ -39,7 +39,7 @@ def _attach(root: torch.nn.Module, path: str, module: torch.nn.Module) -> None:
 
 
 class DecodeState:
-    """The megatron inference context carried between generate() steps as `past_key_values`."""
+    """The megatron inference context carried between generate() steps as transformers' `cache`."""
 
     def __init__(self, ctx):
         self.ctx = ctx
@@ -84,12 +84,12 @@ class MegahybridForCausalLM(PreTrainedModel, GenerationMixin):
         self.gpt.train(mode)
         return self
 
-    def forward(self, input_ids, attention_mask=None, position_ids=None, past_key_values=None, labels=None,
-                use_cache=None, **kwargs):
+    def forward(self, input_ids, attention_mask=None, position_ids=None, cache=None, labels=None, use_cache=None,
+                **kwargs):
         if attention_mask is not None and not bool(attention_mask.all()):
             raise ValueError("megahybrid models take unpadded sequences: pass no attention mask with zeros")
-        if past_key_values is not None or use_cache:
-            return self._decode_step(input_ids, past_key_values)
+        if cache is not None or use_cache:
+            return self._decode_step(input_ids, cache)
         logits = self.gpt(input_ids=input_ids, position_ids=position_ids, attention_mask=None,
                           runtime_gather_output=True)
         return CausalLMOutputWithPast(loss=self._loss(logits, labels), logits=logits)
@@ -103,7 +103,7 @@ class MegahybridForCausalLM(PreTrainedModel, GenerationMixin):
         else:
             tokens = input_ids[:, state.ctx.sequence_len_offset:]
         logits = step_logits(self.gpt, tokens, state.ctx)
-        return CausalLMOutputWithPast(logits=logits, past_key_values=state)
+        return CausalLMOutputWithPast(logits=logits, cache=state)
 
     @staticmethod
     def _loss(logits, labels):
@@ -111,11 +111,11 @@ class MegahybridForCausalLM(PreTrainedModel, GenerationMixin):
             return None
         return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=-100)
 
-    def prepare_inputs_for_generation(self, input_ids, past_key_values=None, attention_mask=None, **kwargs):
+    def prepare_inputs_for_generation(self, input_ids, cache=None, attention_mask=None, **kwargs):
         """Whole sequence each step: _decode_step feeds the mixers only the tokens their caches have not seen."""
-        return {"input_ids": input_ids, "past_key_values": past_key_values, "attention_mask": attention_mask,
+        return {"input_ids": input_ids, "cache": cache, "attention_mask": attention_mask,
                 "use_cache": kwargs.get("use_cache", True)}
 
     def _update_model_kwargs_for_generation(self, outputs, model_kwargs, is_encoder_decoder=False, num_new_tokens=1):
-        model_kwargs["past_key_values"] = outputs.past_key_values
+        model_kwargs["cache"] = outputs.cache
         return model_kwargs

@@ -6,8 +6,9 @@ import dataclasses
 import torch
 
 from megahybrid.convert import sources
+from megahybrid.convert.local import partition_tags
 from megahybrid.errors import UserError
-from megahybrid.model.sharding import is_tp_sharded, shard_of
+from megahybrid.model.sharding import shard_of
 
 IGNORED_FIELDS = ("seq_length", "init_std")  # no weight depends on them
 
@@ -27,14 +28,9 @@ def check_same_model(source_cfg, target_cfg, path: str) -> None:
                             f"model.{name}={ours!r}: set model.{name}={theirs!r} or use a matching checkpoint")
 
 
-def _tags(model) -> dict:
-    return {n: (p.partition_dim, getattr(p, "partition_stride", 1)) if is_tp_sharded(p) else None
-            for n, p in model.named_parameters()}
-
-
 def load_full_weights(model, path: str, model_cfg, tp_rank: int, tp_world: int) -> None:
     """Copy this TP rank's shards of the weights at `path` into `model` (built for that rank)."""
-    tags = _tags(model)
+    tags = partition_tags(model)
     weights = sources.read(path, tags)
     check_same_model(weights.model, model_cfg, path)
     for name, param in model.named_parameters():

@@ -29,7 +29,7 @@ def load_pt(path: str):
     """torch.load(weights_only=True) on the CPU; a damaged file or a foreign Python object is a one-line error."""
     try:
         with torch.serialization.safe_globals(deepspeed_globals()):
-            return torch.load(path, map_location="cpu", weights_only=True)
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except pickle.UnpicklingError:
         raise UserError(f"{path} refers to Python objects a checkpoint may not contain; it was not loaded: use a "
                         "checkpoint from a trusted run") from None
