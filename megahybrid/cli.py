@@ -105,6 +105,7 @@ def _has_gpu() -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     from megahybrid.errors import UserError
+    from megahybrid.train.signals import Interrupted, install_stop_handlers
 
     args = parser().parse_args(argv)
     if args.command == "data":
@@ -120,11 +121,16 @@ def main(argv: list[str] | None = None) -> int:
             from megahybrid.eval.cli import run
 
             return run(args)
+        # Before torch is imported: a SIGTERM or Ctrl-C in the first seconds gets a message and an exit code too.
+        install_stop_handlers()
         prepare_launch_env()
         return run_train(args)
     except UserError as err:
         print(f"error: {err}", file=sys.stderr, flush=True)
         return EXIT_USER_ERROR
+    except Interrupted as stop:
+        print(stop.message(), file=sys.stderr, flush=True)
+        return stop.exit_code
 
 
 if __name__ == "__main__":
