@@ -152,6 +152,33 @@ def _recall_checks(ckpt, out):
     return {"cli": (code, stdout, stderr), "rows": rows, "before": before, "after": after, "losses": losses}
 
 
+def _mixer_checks():
+    """Every available mixer (a new one joins by its MIXERS record): temperature-0 sampling through its decode cache
+    equals full-forward greedy, and the per-position losses of `eval ppl` equal cross entropy of the logits."""
+    import numpy as np
+    import torch
+
+    from megahybrid.eval.generate import Sampling, sample
+    from megahybrid.eval.loading import fresh
+    from megahybrid.eval.ppl import position_losses
+    from megahybrid.model.config import preset
+    from megahybrid.model.decode import full_logits
+    from megahybrid.model.mixers import MIXERS
+
+    out = {}
+    for char in [c for c, m in MIXERS.items() if m.spec is not None]:
+        loaded = fresh(preset("tiny", pattern=char, seq_length=128), seed=1)
+        data = np.random.default_rng(2).integers(4, 512, size=129)
+        reference = torch.from_numpy(data[None, :9])
+        for _ in range(10):
+            reference = torch.cat([reference, full_logits(loaded.model, reference)[:, -1:].argmax(-1)], 1)
+        greedy = sample(loaded.model, torch.from_numpy(data[None, :9]), Sampling(10, 0.0, stop_at_eos=False))[0]
+        x = torch.from_numpy(data)
+        want = torch.nn.functional.cross_entropy(full_logits(loaded.model, x[None, :-1])[0], x[1:], reduction="none")
+        out[char] = (greedy, reference, position_losses(loaded.model, data, 128, 1, loaded.device), want.double())
+    return out
+
+
 def _bad_inputs(ckpt, prefix, root):
     long_prompt = " ".join(["the river runs to the sea"] * 60)
     return {
@@ -170,7 +197,7 @@ def _body(rank, world, root, data_dir):
     prefix = os.path.join(data_dir, "builtin_text_document")
     out = {"ppl": _ppl_checks(ckpt, prefix, os.path.join(root, "ppl")), "generate": _generation_checks(ckpt),
            "harness": _harness_checks(ckpt), "recall": _recall_checks(ckpt, os.path.join(root, "recall")),
-           "bad": _bad_inputs(ckpt, prefix, root)}
+           "bad": _bad_inputs(ckpt, prefix, root), "mixers": _mixer_checks()}
     shutdown()
     return out
 
@@ -203,6 +230,16 @@ def test_generate_temperature_zero_is_full_forward_greedy(results):
     assert gen["stats"]["new_tokens"] == 12 and gen["stats"]["tokens_per_s"] > 0
     code, stdout, stderr = gen["cli"]
     assert code == 0 and stdout.startswith("The river") and "tok/s" in stderr, (code, stdout, stderr)
+
+
+@pytest.mark.dist
+def test_every_mixer_decodes_and_scores_like_the_full_forward(results):
+    from tests.utils import assert_close
+
+    assert "S" in results["mixers"]
+    for char, (greedy, reference, losses, want) in results["mixers"].items():
+        assert greedy.equal(reference), (char, greedy, reference)
+        assert_close(losses, want, PPL_TOL, f"{char} position losses")
 
 
 @pytest.mark.dist

@@ -74,7 +74,7 @@ def fresh(cfg, seed: int = 0, precision: str = "fp32") -> Loaded:
     ensure_local_groups()
     torch.manual_seed(seed)
     model = build_model(cfg, ParallelLayout(), precision)
-    return Loaded(model.to(default_device()), cfg, f"fresh-{cfg.pattern}", 0, None, default_device())
+    return Loaded(model.to(default_device()).eval(), cfg, f"fresh-{cfg.pattern}", 0, None, default_device())
 
 
 def _step_of(path: str) -> int | None:
