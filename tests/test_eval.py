@@ -313,7 +313,8 @@ def test_results_summary_keeps_going_on_any_json(tmp_path):
     import shutil
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    spec = importlib.util.spec_from_file_location("summarize_results", os.path.join(root, "tools", "summarize_results.py"))
+    script = os.path.join(root, "tools", "summarize_results.py")
+    spec = importlib.util.spec_from_file_location("summarize_results", script)
     summary = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(summary)
     for name in os.listdir(os.path.join(root, "tools", "results")):

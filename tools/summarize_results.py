@@ -74,7 +74,8 @@ def _num(value, spec: str = ".3g") -> str:
 
 def _train_rows(rows, meta):
     for r in rows:
-        what = f"train {r['preset']} seq {r.get('seq')} batch {r.get('batch')}" + (" compiled" if r.get("compile") else "")
+        compiled = " compiled" if r.get("compile") else ""
+        what = f"train {r['preset']} seq {r.get('seq')} batch {r.get('batch')}{compiled}"
         yield (what, f"{_num(r['tok/s'], ',.0f')} tok/s, MFU {_num(r.get('MFU_meas'), '.1%')}",
                f"{_num(r.get('TFLOP/s'), '.0f')} of {_num(meta.get('matmul_peak_tflops'), '.0f')} TFLOP/s matmul peak")
 
@@ -95,7 +96,8 @@ def _kernel_rows(rows, meta):
 def _nats_attention_rows(rows, meta):
     for r in rows:
         if r.get("T") in HEADLINE_T and r.get("pass") == "fwd+bwd" and r.get("kept") in (0.1, 0.5):
-            yield (f"NAtS attention T={r['T']} kept {_num(r['kept'], '.0%')} fwd+bwd", f"{_num(r['ours_ms'], '.2f')} ms",
+            yield (f"NAtS attention T={r['T']} kept {_num(r['kept'], '.0%')} fwd+bwd",
+                   f"{_num(r['ours_ms'], '.2f')} ms",
                    f"SDPA causal {_num(r.get('sdpa_causal_ms'), '.2f')} ms ({_num(r.get('speedup_vs_sdpa'), '.1f')}x)")
 
 
@@ -175,7 +177,8 @@ def render(results_dir: str) -> str:
                      str(meta.get("commit", "-")), f"[{name}]({name})"]
             lines.append("| " + " | ".join(c.replace("|", "/") for c in cells) + " |")
     if variants:
-        listed = ", ".join(f"[{latest[f][0]}]({latest[f][0]}) ({_meta(latest[f][1]).get('commit', '-')})" for f in variants)
+        listed = ", ".join(f"[{latest[f][0]}]({latest[f][0]}) ({_meta(latest[f][1]).get('commit', '-')})"
+                           for f in variants)
         lines += ["", f"Variants, baselines and tuning sweeps of the families above (latest file each): {listed}."]
     return "\n".join(lines) + "\n"
 

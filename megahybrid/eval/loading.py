@@ -29,7 +29,8 @@ class Loaded:
 
         if not self.tokenizer_model or not os.path.isfile(self.tokenizer_model):
             raise UserError(f"{self.path}: its tokenizer ({self.tokenizer_model or 'none recorded'}) is not there; "
-                            "prepare the data again (megahybrid data builtin) or copy tokenizer.model beside the weights")
+                            "prepare the data again (megahybrid data builtin) or copy tokenizer.model beside the "
+                            "weights")
         return SentencePieceTokenizer(self.tokenizer_model)
 
 
