@@ -7,7 +7,7 @@ export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 export MASTER_ADDR ?= 127.0.0.1
 export PYTHONWARNINGS ?= ignore::UserWarning,ignore::FutureWarning,ignore::DeprecationWarning
 
-.PHONY: setup demo test test-fast mpirun-tool clean
+.PHONY: setup demo test test-fast mpirun-tool slurm-tool clean
 
 setup: $(STAMP)
 
@@ -26,7 +26,13 @@ mpirun-tool:
 	@command -v mpirun >/dev/null || { apt-get update -qq && apt-get install -y -qq openmpi-bin; } >/dev/null 2>&1 \
 		|| echo "note: could not install openmpi-bin; the mpirun test will be skipped"
 
-test: $(STAMP) mpirun-tool
+# Slurm and munge for tests/test_slurm.py, which brings up a private two-node cluster on 127.0.0.1 (root only).
+slurm-tool:
+	@command -v slurmctld >/dev/null && command -v munged >/dev/null || \
+		{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq slurm-wlm munge; } >/dev/null 2>&1 \
+		|| echo "note: could not install slurm-wlm/munge; the Slurm tests will be skipped"
+
+test: $(STAMP) mpirun-tool slurm-tool
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 test-fast: $(STAMP)

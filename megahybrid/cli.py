@@ -1,5 +1,6 @@
-"""The `megahybrid` command: `megahybrid train --config NAME_OR_PATH [key=value ...]`, `megahybrid data ...` and
-`megahybrid convert ...`, `megahybrid eval ppl|recall|harness ...` and `megahybrid generate ...`.
+"""The `megahybrid` command: `megahybrid train --config NAME_OR_PATH [key=value ...]`, `megahybrid data ...`,
+`megahybrid convert ...`, `megahybrid slurm submit ...`, `megahybrid eval ppl|recall|harness ...` and
+`megahybrid generate ...`.
 
 User errors (config, data, launch environment, checkpoints) print one line `error: ...` to stderr and exit with
 code 2, without a traceback. Training exit codes are listed in megahybrid/train/trainer.py.
@@ -32,6 +33,9 @@ def parser() -> argparse.ArgumentParser:
     from megahybrid.convert.cli import add_convert_command
 
     add_convert_command(subparsers)
+    from megahybrid.slurm import add_slurm_commands
+
+    add_slurm_commands(subparsers)
     from megahybrid.eval.cli import add_eval_commands, add_generate_command
 
     add_eval_commands(subparsers)
@@ -84,6 +88,9 @@ def run_train(args) -> int:
     from megahybrid.train.config import load_config
 
     cfg = load_config(args.config, args.overrides)
+    from megahybrid.mpi import check_config_agreement
+
+    check_config_agreement(cfg.to_dict())
     if cfg.train.deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     if args.print_config:
@@ -105,6 +112,7 @@ def _has_gpu() -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     from megahybrid.errors import UserError
+    from megahybrid.slurm import record_exit_code
     from megahybrid.train.signals import Interrupted, install_stop_handlers
 
     args = parser().parse_args(argv)
@@ -117,6 +125,10 @@ def main(argv: list[str] | None = None) -> int:
             from megahybrid.convert.cli import run
 
             return run(args)
+        if args.command == "slurm":
+            from megahybrid.slurm import run
+
+            return run(args)
         if args.command in ("eval", "generate"):
             from megahybrid.eval.cli import run
 
@@ -124,13 +136,15 @@ def main(argv: list[str] | None = None) -> int:
         # Before torch is imported: a SIGTERM or Ctrl-C in the first seconds gets a message and an exit code too.
         install_stop_handlers()
         prepare_launch_env()
-        return run_train(args)
+        code = run_train(args)
     except UserError as err:
         print(f"error: {err}", file=sys.stderr, flush=True)
-        return EXIT_USER_ERROR
+        code = EXIT_USER_ERROR
     except Interrupted as stop:
         print(stop.message(), file=sys.stderr, flush=True)
-        return stop.exit_code
+        code = stop.exit_code
+    record_exit_code(code)
+    return code
 
 
 if __name__ == "__main__":

@@ -177,6 +177,9 @@ def _loopback_store(rank: int, world: int, timeout: datetime.timedelta):
     if rank != 0:
         return dist.TCPStore("127.0.0.1", port, world, False, timeout)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    # A rerun on the same port (a requeued job) must not wait out the last run's TIME_WAIT; Linux still refuses the
+    # bind while another socket listens there, so a concurrent run on the port is still caught below.
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind(("127.0.0.1", port))
     except OSError as err:

@@ -7,15 +7,23 @@ from tests.utils import assert_close
 
 LOSS_TOL = 1e-5  # fp32, reductions reordered across ranks
 GRAD_TOL = 1e-4  # relative RMS error of each full (unsharded) gradient
+# Recurrent mixers (NAtS-L / GDN, the Interdomain family's S4D cores): first-step gradients agree to 5e-6 / 6e-7,
+# but the decay parameters' gradients (sums over every token with heavy cancellation) turn the fp32 reorderings
+# of two AdamW steps into ~3e-4 by the third step (measured: GNS, IDS dp2).
+GRAD_TOL_RECURRENT = 1e-3
 
 PATTERNS = [
     "S",
+    "N", "G", "GNS",
+    "I", "D", "IDS",
 ]
 LAYOUTS_2 = {"tp2": dict(tp=2), "tp2_sp": dict(tp=2, sequence_parallel=True), "dp2": dict(dp=2)}
 LAYOUTS_4 = {"tp2_dp2_sp": dict(tp=2, dp=2, sequence_parallel=True)}
 
 
 def _train_layouts(rank, world, layouts, steps):
+    import os
+
     from tests.minimal_train import train_steps
     from megahybrid.distributed import init_distributed, shutdown
     from megahybrid.model.config import preset
@@ -25,7 +33,9 @@ def _train_layouts(rank, world, layouts, steps):
 
     out = {}
     for pattern in PATTERNS:
-        cfg = preset("tiny", pattern=pattern, num_layers=max(2, len(pattern)))
+        # N / G: the NAtS-L ops' torch CPU paths (chosen per call; their Triton kernels have their own tests).
+        os.environ["TRITON_INTERPRET"] = "0" if set(pattern) <= set("SNG") else "1"
+        cfg = preset("tiny", pattern=pattern, num_layers=max(2, len(pattern)), interdomain={"modes": 8})
         for name, dims in layouts.items():
             groups = init_distributed(ParallelLayout(**dims))
             model = build_model(cfg, groups.layout)
@@ -52,6 +62,7 @@ def test_losses_and_grads_match_across_layouts(reference, world, layouts):
             assert len(ref_grads) > 10
             assert losses == pytest.approx(ref_losses, rel=LOSS_TOL), f"{where} losses {losses} vs {ref_losses}"
             assert grads.keys() == ref_grads.keys(), where
+            tol = GRAD_TOL_RECURRENT if set(pattern) & set("NGID") else GRAD_TOL
             for key in ref_grads:
-                assert_close(grads[key], ref_grads[key], GRAD_TOL, f"{where} grad {key}")
+                assert_close(grads[key], ref_grads[key], tol, f"{where} grad {key}")
             assert ref_losses[2] < ref_losses[0], f"{where}: training did not reduce the loss"

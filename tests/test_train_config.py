@@ -26,7 +26,7 @@ def _demo(builtin, *overrides):
     return load_config("demo", base + list(overrides))
 
 
-@pytest.mark.parametrize("name", ["demo", "125m", "350m", "1.3b"])
+@pytest.mark.parametrize("name", ["demo", "125m", "350m", "1.3b", "natsl-340m", "natsl-340m-n", "natsl-340m-g", "natsl-340m-s", "natsl-760m"])
 def test_shipped_configs_validate(name):
     data = [] if name == "demo" else ["data.prefixes=[/data/x]", "data.tokenizer_model=/data/x.model"]
     cfg = load_config(name, data)

@@ -28,9 +28,8 @@ def interdomain_attention(q, k, v, decay, b, initial_state=None, output_final_st
         normalize: divide by sum_m Re(a conj eta) + EPS * sign (sign(0) = +1).
         chunk_size: tokens per chunk (16, 32, 64 or 128); chunk-boundary states are the only states kept.
         readout: C [H, M, M, 2] fp32 (re, im) mixing the modes of U_t and Gamma_t before the query reads them; None
-            is the identity. The Triton kernels carry C (a P per token, P = C^T conj(C)) but are checked only
-            under the interpreter so far: on the GPU a readout runs the chunked torch path (torch_chunk.py),
-            correct but slower, until chunk.READOUT_ON_GPU is turned on.
+            is the identity. The Triton kernels carry C (a P per token, P = C^T conj(C)); with the normalized
+            readout a C on the GPU runs the chunked torch path (torch_chunk.py) instead (chunk.py says why).
     Returns:
         o [B, T, H, V] in v's dtype and the final state (same layout as initial_state) or None.
     On CPU tensors the op runs the chunked torch path unless TRITON_INTERPRET=1 (which runs the Triton kernels in
@@ -48,7 +47,7 @@ def interdomain_attention(q, k, v, decay, b, initial_state=None, output_final_st
     if initial_state is not None:
         u0 = initial_state[0].transpose(2, 3).contiguous()
         g0 = initial_state[1].transpose(2, 3).contiguous()
-    if uses_torch_path(q, readout):
+    if uses_torch_path(q, readout, normalize):
         o, uf, gf = interdomain_torch(q, k, v, decay, b, u0, g0, chunk_size, readout)
     else:
         o, uf, gf = InterdomainFunction.apply(q.contiguous(), k.contiguous(), v.contiguous(), decay.contiguous(),
@@ -62,12 +61,13 @@ def interdomain_attention(q, k, v, decay, b, initial_state=None, output_final_st
     return o, state
 
 
-def uses_torch_path(q, readout=None):
+def uses_torch_path(q, readout=None, normalize=False):
     """True where the op runs torch_chunk.py instead of the Triton kernels: a CPU tensor outside the Triton
-    interpreter, or a readout on the GPU while chunk.READOUT_ON_GPU is off."""
+    interpreter, or on the GPU a readout while chunk.READOUT_ON_GPU is off or together with the normalized
+    readout (chunk.py says why)."""
     if q.device.type == "cpu":
         return not _interpret()
-    return readout is not None and not chunk.READOUT_ON_GPU
+    return readout is not None and (not chunk.READOUT_ON_GPU or normalize)
 
 
 def _readout_p(readout):

@@ -4,12 +4,24 @@ export's weights fills the very modules the forward runs. Every mixer is covered
 needs only its name mapping. Sequences must be unpadded (no attention mask with zeros); generate() decodes
 through megahybrid.model.decode's static inference context (the mixers' own caches).
 """
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from transformers import GenerationMixin, PretrainedConfig, PreTrainedModel
-from transformers.modeling_outputs import CausalLMOutputWithPast
+from transformers.utils import ModelOutput
 
 from megahybrid.convert import adapter, hf_config
+
+
+@dataclass
+class MegahybridCausalLMOutput(ModelOutput):
+    """Our own output type: transformers renamed CausalLMOutputWithPast's cache field between 5.17 and 5.24
+    (past_key_values -> cache), and generate() reads ours through _update_model_kwargs_for_generation below."""
+
+    loss: torch.FloatTensor | None = None
+    logits: torch.FloatTensor | None = None
+    cache: object | None = None
 
 
 class MegahybridConfig(PretrainedConfig):
@@ -92,7 +104,7 @@ class MegahybridForCausalLM(PreTrainedModel, GenerationMixin):
             return self._decode_step(input_ids, cache)
         logits = self.gpt(input_ids=input_ids, position_ids=position_ids, attention_mask=None,
                           runtime_gather_output=True)
-        return CausalLMOutputWithPast(loss=self._loss(logits, labels), logits=logits)
+        return MegahybridCausalLMOutput(loss=self._loss(logits, labels), logits=logits)
 
     def _decode_step(self, input_ids, state):
         from megahybrid.model.decode import new_context, step_logits
@@ -103,7 +115,7 @@ class MegahybridForCausalLM(PreTrainedModel, GenerationMixin):
         else:
             tokens = input_ids[:, state.ctx.sequence_len_offset:]
         logits = step_logits(self.gpt, tokens, state.ctx)
-        return CausalLMOutputWithPast(logits=logits, cache=state)
+        return MegahybridCausalLMOutput(logits=logits, cache=state)
 
     @staticmethod
     def _loss(logits, labels):

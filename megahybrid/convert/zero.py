@@ -14,15 +14,7 @@ import re
 import torch
 
 from megahybrid.errors import UserError
-
-
-def deepspeed_globals() -> list:
-    """The only classes DeepSpeed 0.19 pickles into the model and ZeRO files (ZeRO 1-3, fp32/bf16)."""
-    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
-    from deepspeed.runtime.zero.config import ZeroStageEnum
-    from deepspeed.utils.tensor_fragment import fragment_address
-
-    return [ZeroStageEnum, LossScaler, DynamicLossScaler, fragment_address]
+from megahybrid.train.checkpoint import deepspeed_globals
 
 
 def load_pt(path: str):

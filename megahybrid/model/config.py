@@ -5,21 +5,94 @@ from dataclasses import dataclass
 from megahybrid.errors import ConfigError
 
 
+INTERDOMAIN_VARIANTS = ("full", "normalized", "generic-query", "dual-contraction")
+
+
 @dataclass
 class InterdomainOptions:
-    """Options of the Interdomain family (`I`, `D`); set as `model.interdomain.<field>=...`."""
+    """Options of the Interdomain family (`I`, `D`); set as `model.interdomain.<field>=...`.
 
-    modes: int = 64
-    head_dim: int = 64
+    `variant` picks the ablation cell the `I` character builds (the paper's Appendix B.1; `D` is always the
+    S4D-only cell): full (dual [xi(k), v] input, query-conditioned readout), normalized (full with the op's
+    normalized readout), generic-query ([a, b] input, query-conditioned readout), dual-contraction (dual input,
+    linear-contraction readout, no query).
+    """
+
+    modes: int = 64  # M complex modes per head (the op serves 1..64)
+    head_dim: int | None = None  # d_h of values and outputs per head; None = the model's head_dim
+    feature_dim: int | None = None  # R of query / key features per head; None = head_dim
     conv_size: int = 4
+    rope: bool | None = None  # None = the cell's default: on for `I` cells, off for `D`
+    output_gate: bool = False  # sigma(W_g x) * o before the output projection
+    init: str = "inv"  # S4D-Inv ("inv") or S4D-Lin ("lin") imaginary parts of A
+    variant: str = "full"
+    dt_min: float = 1e-3
+    dt_max: float = 1e-1
+    ssm_lr: float = 1e-3  # learning-rate cap of the SSM parameters and the input norms (no weight decay)
+
+    def heads(self, hidden_size: int, model_head_dim: int) -> tuple[int, int, int]:
+        """(heads, d_h, R) of the mixer in a model of this width."""
+        dh = self.head_dim or model_head_dim
+        return hidden_size // dh, dh, self.feature_dim or dh
+
+    def check(self, hidden_size: int, model_head_dim: int) -> None:
+        dh = self.head_dim or model_head_dim
+        if hidden_size % dh:
+            raise ConfigError(f"model.interdomain.head_dim={dh} must divide model.hidden_size={hidden_size}")
+        if not 1 <= self.modes <= 64:
+            raise ConfigError(f"model.interdomain.modes={self.modes} must be in 1..64 (the op's limit)")
+        if self.variant not in INTERDOMAIN_VARIANTS:
+            raise ConfigError(f"model.interdomain.variant={self.variant!r}; choose one of {INTERDOMAIN_VARIANTS}")
+        if self.init not in ("inv", "lin"):
+            raise ConfigError(f"model.interdomain.init={self.init!r}; choose inv (S4D-Inv) or lin (S4D-Lin)")
+        if self.conv_size < 1 or not 0 < self.dt_min <= self.dt_max:
+            raise ConfigError("model.interdomain: conv_size must be >= 1 and 0 < dt_min <= dt_max")
 
 
 @dataclass
 class NatsOptions:
-    """Options of the NAtS-L family (`N`, `G`); set as `model.nats.<field>=...`."""
+    """Options of the NAtS-L family (`N`, `G`); set as `model.nats.<field>=...` (megahybrid/model/mixers/nats.py).
 
+    The GDN view has `gdn_heads` heads of q/k width `gdn_head_dim` (K) and value width `expand_v * K` (V); the
+    `N` layer's attention view splits the same q, k, v channels into `attention_heads` heads. `selection`:
+    "argmax" (straight-through) or "gumbel" (Gumbel-softmax, hard, in training). `kept_fraction` is the share of
+    chunks assumed kept by attention in the FLOP and decode-state counts (1.0 = every chunk, the worst case).
+    """
+
+    gdn_heads: int = 6
     gdn_head_dim: int = 128
+    expand_v: int = 2
+    attention_heads: int = 12
     conv_size: int = 4
+    selection: str = "argmax"
+    kept_fraction: float = 1.0
+
+    @property
+    def gdn_value_dim(self) -> int:
+        return self.expand_v * self.gdn_head_dim
+
+    @property
+    def attn_qk_dim(self) -> int:
+        return self.gdn_heads * self.gdn_head_dim // self.attention_heads
+
+    @property
+    def attn_v_dim(self) -> int:
+        return self.gdn_heads * self.gdn_value_dim // self.attention_heads
+
+    def validate(self) -> None:
+        for name in ("gdn_heads", "gdn_head_dim", "expand_v", "attention_heads", "conv_size"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"model.nats.{name}={getattr(self, name)} must be >= 1")
+        if self.attention_heads % self.gdn_heads:
+            raise ConfigError(f"model.nats.attention_heads={self.attention_heads} must be a multiple of "
+                              f"model.nats.gdn_heads={self.gdn_heads} (each attention head views one GDN head)")
+        if self.gdn_head_dim % (self.attention_heads // self.gdn_heads):
+            raise ConfigError(f"model.nats.gdn_head_dim={self.gdn_head_dim} must split into "
+                              f"{self.attention_heads // self.gdn_heads} attention heads per GDN head")
+        if self.selection not in ("argmax", "gumbel"):
+            raise ConfigError(f"model.nats.selection={self.selection!r}: choose 'argmax' or 'gumbel'")
+        if not 0.0 <= self.kept_fraction <= 1.0:
+            raise ConfigError(f"model.nats.kept_fraction={self.kept_fraction} must be in [0, 1]")
 
 
 # Fields of ModelConfig that hold one mixer family's options; YAML / overrides give them as mappings.
@@ -88,6 +161,10 @@ class ModelConfig:
 
         for char in dict.fromkeys(self.pattern):
             mixer_for(char)
+        if set(self.pattern) & {"I", "D"}:
+            self.interdomain.check(self.hidden_size, self.head_dim)
+        if set(self.pattern) & set("NG"):
+            self.nats.validate()
         if self.num_layers % len(self.pattern):
             raise ConfigError(
                 f"model.pattern {self.pattern!r} (length {len(self.pattern)}) does not tile "
@@ -118,14 +195,41 @@ def _options(name: str, cls, current, value):
     return dataclasses.replace(current, **value)
 
 
+NATSL_HYBRID = "".join("N" if i in (3, 7, 11, 15, 19, 20) else "G" for i in range(21))
+
 # Llama proportions; parameter counts (vocab 32000, untied) are in docs and checked by tests/test_model.py.
 PRESETS: dict[str, ModelConfig] = {
-    "tiny": ModelConfig(num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, vocab_size=512, seq_length=128),
+    # `N` / `G` on the tiny model: 2 GDN heads x 32 (V = 64), 4 attention heads of q/k 16, v 32.
+    "tiny": ModelConfig(num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, vocab_size=512, seq_length=128,
+                        nats=NatsOptions(gdn_heads=2, gdn_head_dim=32, attention_heads=4)),
     "125m": ModelConfig(num_layers=12, hidden_size=768, num_heads=12, vocab_size=32000, seq_length=4096),
     "350m": ModelConfig(num_layers=24, hidden_size=1024, num_heads=16, vocab_size=32000, seq_length=4096),
     "760m": ModelConfig(num_layers=24, hidden_size=1536, num_heads=12, vocab_size=32000, seq_length=4096),
     "1.3b": ModelConfig(num_layers=24, hidden_size=2048, num_heads=16, vocab_size=32000, seq_length=4096),
+    # The NAtS-L reference's shipped configs (automl/NeuralAttentionSearchLinear experiments/configs): the
+    # Hybrid layout, `G` layers with `N` at layers 3, 7, 11, 15, 19, 20. num_heads is for an `S` of the same size.
+    "natsl-340m": ModelConfig(num_layers=21, hidden_size=1024, num_heads=16, ffn_hidden_size=2816, vocab_size=32000,
+                              seq_length=4096, pattern=NATSL_HYBRID, norm_eps=1e-6,
+                              nats=NatsOptions(gdn_heads=6, gdn_head_dim=128, attention_heads=12)),
+    "natsl-760m": ModelConfig(num_layers=21, hidden_size=1536, num_heads=12, ffn_hidden_size=4096, vocab_size=32000,
+                              seq_length=4096, pattern=NATSL_HYBRID, norm_eps=1e-6,
+                              nats=NatsOptions(gdn_heads=6, gdn_head_dim=192, attention_heads=18)),
 }
+
+
+def _paper_presets() -> dict[str, ModelConfig]:
+    """The Interdomain paper's models (arXiv 2605.24330, Table 3): head dim 64 everywhere, SwiGLU width 2/3 * 4d
+    rounded up to a multiple of 128; `-paper` is its softmax baseline, `-interdomain` all `I`, `-s4d` all `D`."""
+    out = {}
+    for size, layers, d in (("125m", 12, 768), ("350m", 24, 1024), ("760m", 24, 1536), ("1.3b", 24, 2048)):
+        base = ModelConfig(num_layers=layers, hidden_size=d, num_heads=d // 64, vocab_size=32000,
+                           seq_length=4096, ffn_hidden_size=-(-(8 * d // 3) // 128) * 128)
+        for suffix, pattern in (("paper", "S"), ("interdomain", "I"), ("s4d", "D")):
+            out[f"{size}-{suffix}"] = dataclasses.replace(base, pattern=pattern)
+    return out
+
+
+PRESETS.update(_paper_presets())
 
 
 def preset(name: str, **overrides) -> ModelConfig:

@@ -92,12 +92,19 @@ class SkippableAdamW(torch.optim.AdamW):
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
-    """Decay matrices only; norms (1-D) get none."""
-    decay, no_decay = [], []
+    """Decay matrices only; norms (1-D) get none. Parameters a mixer tags with `lr_cap` (the SSM parameters and
+    input norms of the Interdomain family) get their own group per cap: no weight decay, lr <= cap (set_lr)."""
+    decay, no_decay, capped = [], [], {}
     for param in model.parameters():
-        if param.requires_grad:
+        if not param.requires_grad:
+            continue
+        cap = getattr(param, "lr_cap", None)
+        if cap is not None:
+            capped.setdefault(cap, []).append(param)
+        else:
             (decay if param.dim() >= 2 else no_decay).append(param)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return groups + [{"params": ps, "weight_decay": 0.0, "lr_cap": cap} for cap, ps in capped.items()]
 
 
 class LRSchedule:
@@ -123,7 +130,7 @@ class LRSchedule:
 
 def set_lr(optimizer, lr: float) -> None:
     for group in optimizer.param_groups:
-        group["lr"] = lr
+        group["lr"] = min(lr, group.get("lr_cap", lr))
 
 
 def build_engine(model, cfg, groups: Groups, ds_base: dict, precision: str):

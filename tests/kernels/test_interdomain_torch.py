@@ -115,10 +115,12 @@ def test_dispatch(monkeypatch):
     assert not uses_torch_path(q) and not uses_torch_path(q, readout=c)
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     assert uses_torch_path(q) and uses_torch_path(q, readout=c)
+    assert chunk.READOUT_ON_GPU
     if torch.cuda.is_available():
-        assert not uses_torch_path(q.cuda()) and uses_torch_path(q.cuda(), readout=c)
-        monkeypatch.setattr(chunk, "READOUT_ON_GPU", True)
-        assert not uses_torch_path(q.cuda(), readout=c)
+        assert not uses_torch_path(q.cuda()) and not uses_torch_path(q.cuda(), readout=c)
+        assert uses_torch_path(q.cuda(), readout=c, normalize=True)
+        monkeypatch.setattr(chunk, "READOUT_ON_GPU", False)
+        assert uses_torch_path(q.cuda(), readout=c)
 
 
 @pytest.mark.parametrize("normalize", [False, True])

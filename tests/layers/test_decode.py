@@ -9,6 +9,8 @@ LOGIT_TOL = 1e-5  # fp32, relative RMS over all logits
 
 PATTERNS = [
     "S",
+    "NG", "GNS",
+    "ID",
 ]
 
 

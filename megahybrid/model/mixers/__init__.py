@@ -50,14 +50,16 @@ def _planned(char: str, name: str, issue: str) -> Mixer:
 
 
 def _registry() -> dict[str, Mixer]:
+    from megahybrid.model.mixers.interdomain import INTERDOMAIN, S4D
+    from megahybrid.model.mixers.nats import GATED_DELTANET, NATSL
     from megahybrid.model.mixers.softmax import SOFTMAX
 
     mixers = [
         SOFTMAX,
-        _planned("I", "Interdomain attention", "the Interdomain mixer layer"),
-        _planned("D", "S4D", "the Interdomain mixer layer"),
-        _planned("N", "NAtS-L", "the NAtS-L mixer layer"),
-        _planned("G", "Gated DeltaNet", "the NAtS-L mixer layer"),
+        INTERDOMAIN,
+        S4D,
+        NATSL,
+        GATED_DELTANET,
     ]
     return {m.char: m for m in mixers}
 

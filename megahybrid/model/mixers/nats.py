@@ -1,0 +1,407 @@
+"""`N` (NAtS-L, arXiv 2602.03681) and `G` (Gated DeltaNet): one layer module on the kernels/nats ops.
+
+Both layers project the input once (one ColumnParallelLinear whose rows are grouped per GDN head, so a TP rank
+holds whole heads and the layout does not depend on the TP size): q, k, v (each through a causal short conv and
+SiLU), the output gate, the decay and beta inputs, and for `N` the chunk scores. The score layer of the
+reference is a bias-free linear map of each 64-token chunk's mean input; mean and linear map commute, so its
+rows sit in the same projection and the per-chunk mean is taken of its per-token outputs (under sequence
+parallelism the projection has gathered the whole sequence, so every rank scores whole chunks).
+
+`N`: the GDN view (H heads, q/k width K, v width V, q/k L2-normalized in the op) and the attention view (the same
+channels as A heads of width K*H/A for q/k and V*H/A for v, per-head q/k RMSNorm, no RoPE) run over one per-head,
+per-chunk choice {attention, GDN} (index 0, 1), the argmax of the chunk logits with the straight-through
+gradient (Gumbel-softmax as an option). The GDN op commits the chunks chosen for GDN and rolls the others back;
+the attention op keeps the chunks chosen for attention visible to later chunks; every chunk's own tokens are
+seen by both. The branch outputs are RMS-normalized in groups of the attention value width, scaled, merged
+with a softmax over a linear map of q (one pair per attention head), gated by swish(gate) and projected back.
+`G`: the same projections and GDN branch with every chunk kept, a gated RMSNorm over V, no attention.
+
+Decoding keeps a per-layer `NatsDecodeCache` in megatron's inference_context (see `_decode`).
+"""
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from megatron.core.tensor_parallel.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    set_tensor_model_parallel_attributes,
+)
+from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
+from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.spec_utils import ModuleSpec
+
+from kernels.nats import chunk_selected_attention, chunk_selected_gdn, chunk_selected_gdn_step
+from kernels.nats.attention import SelectedAttentionCache, selected_attention_prefill, selected_attention_step
+from megahybrid.errors import ConfigError
+from megahybrid.model.mixers import Mixer
+
+CHUNK = 64  # the selection granularity of NAtS-L and the chunk of both ops
+
+
+def _tp():
+    from megatron.core import parallel_state as ps
+
+    return ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+
+
+def _local_param(full: torch.Tensor, dim: int, dtype) -> torch.nn.Parameter:
+    """This TP rank's contiguous slice of a full (CPU-initialized, TP-independent) tensor along `dim`, tagged as
+    megatron tags its own sharded weights."""
+    world, rank = _tp()
+    piece = full.chunk(world, dim)[rank].contiguous().to(dtype)
+    param = torch.nn.Parameter(piece)
+    set_tensor_model_parallel_attributes(param, True, dim, 1)
+    return param
+
+
+def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * weight
+
+
+class _AllReduceBothWays(torch.autograd.Function):
+    """Sum of per-rank partials; each rank then uses a different slice, so the gradient is summed as well."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        x = x.clone()
+        torch.distributed.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.clone()
+        torch.distributed.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+def _select(logits: torch.Tensor, gumbel: bool) -> torch.Tensor:
+    """One-hot choice over the last dim, exactly 0/1 in value, with the softmax's straight-through gradient."""
+    if gumbel:
+        logits = logits - torch.empty_like(logits).exponential_().log()
+    soft = logits.softmax(-1)
+    hard = F.one_hot(soft.argmax(-1), soft.shape[-1]).to(soft.dtype)
+    return hard + (soft - soft.detach())
+
+
+def _chunk_mean(x: torch.Tensor) -> torch.Tensor:
+    """[B, T, ...] -> [B, ceil(T / 64), ...] means over each chunk's tokens (the last may be partial)."""
+    B, T = x.shape[:2]
+    NC = math.ceil(T / CHUNK)
+    padded = F.pad(x, (0, 0) * (x.dim() - 2) + (0, NC * CHUNK - T)).view(B, NC, CHUNK, *x.shape[2:])
+    counts = torch.full((NC,), CHUNK, device=x.device, dtype=x.dtype)
+    counts[-1] = T - (NC - 1) * CHUNK
+    return padded.sum(2) / counts.view(1, NC, *([1] * (x.dim() - 2)))
+
+
+@dataclass
+class NatsDecodeCache:
+    """One layer's decode state for one batch: conv inputs of the last conv_size - 1 tokens, the GDN state and
+    its rollback copy (the open chunk's start state, decayed; `N` only), the attention cache (kept chunks + open
+    chunk; `N` only), the open chunk's summed score logits and its length."""
+
+    conv_tail: torch.Tensor
+    state: torch.Tensor
+    rollback: torch.Tensor
+    attention: SelectedAttentionCache | None
+    score_sum: torch.Tensor | None
+    n_open: int
+
+    def nbytes(self) -> int:
+        tensors = [self.conv_tail, self.state, self.rollback]
+        if self.attention is not None:
+            c = self.attention
+            tensors += [c.k_kept, c.v_kept, c.k_cur, c.v_cur]
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+class NatsLayer(MegatronModule):
+    """`N` (select=True) or `G` (select=False); input [s, b, hidden], output ([s, b, hidden], None)."""
+
+    def __init__(self, config: TransformerConfig, layer_number: int, options, select: bool, eps: float,
+                 cp_comm_type=None, pg_collection=None):
+        super().__init__(config=config)
+        world, _ = _tp()
+        o = options
+        if o.gdn_heads % world or (select and o.attention_heads % world):
+            raise ConfigError(f"model.nats.gdn_heads={o.gdn_heads} and attention_heads={o.attention_heads} must be "
+                              f"divisible by parallel.tp={world}")
+        self.layer_number, self.select, self.eps = layer_number, select, eps
+        self.gumbel = o.selection == "gumbel"
+        self.H, self.K, self.V = o.gdn_heads // world, o.gdn_head_dim, o.gdn_value_dim
+        self.per_head = o.attention_heads // o.gdn_heads
+        self.dqk, self.dv = o.attn_qk_dim, o.attn_v_dim
+        self.conv_size = o.conv_size
+        self.widths = [2 * self.K + self.V, self.V, 1, 1] + ([2] if select else [])
+        self.proj = ColumnParallelLinear(
+            config.hidden_size, o.gdn_heads * sum(self.widths), config=config, init_method=config.init_method,
+            bias=False, gather_output=False, skip_bias_add=True)
+        self.out_proj = RowParallelLinear(
+            o.gdn_heads * self.V, config.hidden_size, config=config, init_method=config.output_layer_init_method,
+            bias=False, input_is_parallel=True, skip_bias_add=True)
+        self._init_own_params(o, config.params_dtype)
+        self.last_stats: dict[str, torch.Tensor] = {}
+
+    def _init_own_params(self, o, dtype):
+        """Full tensors drawn on the CPU in a fixed order (the same model for every TP size), then sliced."""
+        H, K = o.gdn_heads, o.gdn_head_dim
+        bound = 1.0 / math.sqrt(o.conv_size)  # torch's default Conv1d init for a depthwise kernel
+        self.conv_weight = _local_param(torch.empty(H, self.widths[0], o.conv_size).uniform_(-bound, bound), 0, dtype)
+        self.A_log = _local_param(torch.empty(H).uniform_(0, 16).log(), 0, torch.float32)
+        dt = torch.exp(torch.rand(H) * (math.log(0.1) - math.log(1e-3)) + math.log(1e-3)).clamp(min=1e-4)
+        self.dt_bias = _local_param(dt + torch.log(-torch.expm1(-dt)), 0, torch.float32)  # softplus^-1(dt)
+        ones = lambda n: torch.nn.Parameter(torch.ones(n, dtype=dtype))  # noqa: E731
+        if not self.select:
+            self.out_norm = ones(self.V)
+            return
+        merge = torch.empty(2 * o.attention_heads, H * K)
+        self.config.init_method(merge)
+        self.merge_weight = _local_param(merge, 1, dtype)
+        self.q_norm, self.k_norm = ones(self.dqk), ones(self.dqk)
+        self.attn_norm, self.gdn_norm = ones(self.dv), ones(self.dv)
+
+    def _replicated(self, weight: torch.Tensor) -> torch.Tensor:
+        """A weight every TP rank holds whole but applies to its own heads: its gradient is summed over TP."""
+        from megahybrid.distributed import tensor_parallel_group
+
+        return copy_to_tensor_model_parallel_region(weight, group=tensor_parallel_group()) if _tp()[0] > 1 else weight
+
+    def forward(self, hidden_states, attention_mask=None, inference_context=None, **unused):
+        proj, _ = self.proj(hidden_states)
+        parts = proj.transpose(0, 1).unflatten(-1, (self.H, sum(self.widths))).split(self.widths, -1)
+        if inference_context is not None and not self.training:
+            o = self._decode(parts, inference_context)
+        else:
+            o = self._mix(parts)
+        out, _ = self.out_proj(o.transpose(0, 1).contiguous())
+        return out, None
+
+    def _conv(self, qkv: torch.Tensor, tail: torch.Tensor | None):
+        """Causal depthwise conv + SiLU over [B, T, H, C]; also returns the last conv_size - 1 inputs."""
+        B, T, H, C = qkv.shape
+        x = qkv.reshape(B, T, H * C).transpose(1, 2)
+        x = torch.cat([tail, x], -1) if tail is not None else F.pad(x, (self.conv_size - 1, 0))
+        y = F.conv1d(x, self.conv_weight.reshape(H * C, 1, self.conv_size), groups=H * C)
+        return F.silu(y).transpose(1, 2).reshape(B, T, H, C), x[..., x.shape[-1] - (self.conv_size - 1):]
+
+    def _inputs(self, parts, tail=None):
+        """q, k, v (after conv and SiLU), gate, g (log decay, fp32), beta, score logits (or None), conv tail."""
+        qkv, gate, a, b = parts[:4]
+        qkv, tail = self._conv(qkv, tail)
+        q, k, v = qkv.split([self.K, self.K, self.V], -1)
+        g = -self.A_log.exp() * F.softplus(a[..., 0].float() + self.dt_bias)
+        score = parts[4].float() if self.select else None
+        return q, k, v, gate, g, b[..., 0].sigmoid(), score, tail
+
+    def _attention_view(self, q, k, v):
+        """[B, T, H, K/V] -> the attention heads [B, T, H * per_head, d]; q and k RMS-normalized per head."""
+        B, T = q.shape[:2]
+        qa = _rms(q.reshape(B, T, -1, self.dqk), self._replicated(self.q_norm), self.eps)
+        ka = _rms(k.reshape(B, T, -1, self.dqk), self._replicated(self.k_norm), self.eps)
+        return qa, ka, v.reshape(B, T, -1, self.dv)
+
+    def _merge(self, q, o_gdn, o_attn, gate):
+        """Normalize each branch in groups of dv, weight by softmax(W q) per attention head, gate, flatten."""
+        B, T = q.shape[:2]
+        if not self.select:
+            o = _rms(o_gdn, self._replicated(self.out_norm), self.eps)
+            return (o * F.silu(gate)).reshape(B, T, -1)
+        logits = q.reshape(B, T, -1) @ self.merge_weight.t()
+        if _tp()[0] > 1:
+            from megahybrid.distributed import tensor_parallel_group
+
+            logits = _AllReduceBothWays.apply(logits, tensor_parallel_group())
+        n = self.H * self.per_head
+        lo = _tp()[1] * n
+        weights = logits.unflatten(-1, (-1, 2))[:, :, lo:lo + n].float().softmax(-1).to(q.dtype)
+        o_gdn = _rms(o_gdn.reshape(B, T, n, self.dv), self._replicated(self.gdn_norm), self.eps)
+        o_attn = _rms(o_attn, self._replicated(self.attn_norm), self.eps)
+        o = weights[..., :1] * o_attn + weights[..., 1:] * o_gdn
+        self.last_stats["merge"] = weights.detach().flatten(0, 2).mean(0)
+        return o.reshape(B, T, -1) * F.silu(gate.reshape(B, T, -1))
+
+    def _choose(self, score: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Chunk logits [B, NC, H, 2] -> keep masks [B, H, NC] for attention and for GDN."""
+        choice = _select(score, self.gumbel and self.training).permute(0, 2, 1, 3)
+        keep_attn = choice[..., 0].detach()
+        self.last_stats["kept"] = keep_attn.mean((0, 2))
+        return choice[..., 0], choice[..., 1]
+
+    def _mix(self, parts):
+        """The training / full-sequence forward: [B, T, H * V] before the output projection."""
+        q, k, v, gate, g, beta, score, _ = self._inputs(parts)
+        if not self.select:
+            keep = torch.ones(q.shape[0], self.H, math.ceil(q.shape[1] / CHUNK), device=q.device)
+            o_gdn, _ = chunk_selected_gdn(q, k, v, g, beta, keep, use_qk_l2norm=True)
+            return self._merge(q, o_gdn, None, gate)
+        keep_attn, keep_gdn = self._choose(_chunk_mean(score))
+        o_gdn, _ = chunk_selected_gdn(q, k, v, g, beta, keep_gdn, use_qk_l2norm=True)
+        qa, ka, va = self._attention_view(q, k, v)
+        o_attn = chunk_selected_attention(qa, ka, va, keep_attn.repeat_interleave(self.per_head, 1),
+                                          scale=self.dqk ** -0.5)
+        return self._merge(q, o_gdn, o_attn, gate)
+
+    def _decode(self, parts, context):
+        """The first call (sequence_len_offset = 0) is a prefill that builds this layer's cache in
+        context.key_value_memory_dict[layer_number]; later calls advance it token by token (a later call with
+        several tokens, a prefill in pieces, runs them as steps)."""
+        memory = context.key_value_memory_dict
+        if context.sequence_len_offset == 0:
+            o, memory[self.layer_number] = self._prefill(parts)
+            return o
+        if self.layer_number not in memory:
+            raise ValueError(f"no NAtS-L cache for layer {self.layer_number}: start decoding at sequence_len_offset 0")
+        cache = memory[self.layer_number]
+        steps = [self._step([p[:, t:t + 1] for p in parts], cache) for t in range(parts[0].shape[1])]
+        return torch.cat(steps, 1)
+
+    def _prefill(self, parts):
+        q, k, v, gate, g, beta, score, tail = self._inputs(parts)
+        B, T = q.shape[:2]
+        n = T // CHUNK * CHUNK  # tokens of the complete chunks, whose choice is final; the rest is the open chunk
+        if self.select:
+            keep_attn, keep_gdn = self._choose(_chunk_mean(score))
+        else:
+            keep_gdn = torch.ones(B, self.H, math.ceil(T / CHUNK), device=q.device)
+        o_gdn, state, rollback = self._gdn_prefill(q, k, v, g, beta, keep_gdn, n)
+        cache = NatsDecodeCache(tail, state, rollback if self.select else None, None, None, T - n)
+        if not self.select:
+            return self._merge(q, o_gdn, None, gate), cache
+        qa, ka, va = self._attention_view(q, k, v)
+        keep = keep_attn.detach().repeat_interleave(self.per_head, 1)
+        o_attn = chunk_selected_attention(qa, ka, va, keep, scale=self.dqk ** -0.5)
+        cache.attention = selected_attention_prefill(ka, va, keep, CHUNK)
+        cache.score_sum = score[:, n:].sum(1)
+        return self._merge(q, o_gdn, o_attn, gate), cache
+
+    def _gdn_prefill(self, q, k, v, g, beta, keep, n):
+        """The prompt's GDN outputs, running state and rollback state: the complete chunks with their choices,
+        then the open chunk from their final state (its start state decayed by its gates is the rollback)."""
+        B, T = q.shape[:2]
+        state = q.new_zeros(B, self.H, self.K, self.V, dtype=torch.float32)
+        outs = []
+        if n:
+            o, state = chunk_selected_gdn(q[:, :n], k[:, :n], v[:, :n], g[:, :n], beta[:, :n],
+                                          keep[:, :, : n // CHUNK], output_final_state=True, use_qk_l2norm=True)
+            outs.append(o)
+        rollback = state
+        if n < T:
+            o, state = chunk_selected_gdn(q[:, n:], k[:, n:], v[:, n:], g[:, n:], beta[:, n:],
+                                          keep.new_ones(B, self.H, 1), initial_state=rollback,
+                                          output_final_state=True, use_qk_l2norm=True)
+            outs.append(o)
+            rollback = rollback * g[:, n:].sum(1).exp()[..., None, None]
+        return torch.cat(outs, 1), state, rollback
+
+    def _step(self, parts, cache: NatsDecodeCache):
+        q, k, v, gate, g, beta, score, cache.conv_tail = self._inputs(parts, cache.conv_tail)
+        cache.n_open += 1
+        keep_attn = keep_gdn = None
+        if self.select:
+            cache.score_sum = cache.score_sum + score[:, 0]
+        if cache.n_open == CHUNK:  # the open chunk is complete: decide its type, commit it to one memory
+            if self.select:
+                keep_attn, keep_gdn = (x[..., 0] for x in self._choose((cache.score_sum / CHUNK)[:, None]))
+                cache.score_sum = torch.zeros_like(cache.score_sum)
+            else:
+                keep_gdn = q.new_ones(q.shape[0], self.H, dtype=torch.float32)
+            cache.n_open = 0
+        rollback = cache.rollback if self.select else cache.state
+        o_gdn, cache.state, rollback = chunk_selected_gdn_step(
+            q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], cache.state, rollback, keep=keep_gdn, use_qk_l2norm=True)
+        cache.rollback = rollback if self.select else None
+        if not self.select:
+            return self._merge(q, o_gdn[:, None], None, gate)
+        qa, ka, va = (x[:, 0] for x in self._attention_view(q, k, v))
+        o_attn = selected_attention_step(qa, ka, va, cache.attention, self.dqk ** -0.5)
+        if keep_attn is not None:
+            cache.attention.commit(keep_attn.repeat_interleave(self.per_head, 1))
+        return self._merge(q, o_gdn[:, None], o_attn[:, None], gate)
+
+    def tensorboard_scalars(self) -> dict[str, float]:
+        """Selection telemetry of the last forward (this rank's heads): attention-kept fraction of the chunks,
+        its standard deviation over heads, and the mean merge weight of each branch."""
+        if not self.select or "kept" not in self.last_stats:
+            return {}
+        kept, merge = self.last_stats["kept"], self.last_stats["merge"]
+        spread = kept.std() if kept.numel() > 1 else kept.new_zeros(())
+        values = torch.stack([kept.mean(), spread, merge[0], merge[1]]).tolist()
+        return dict(zip(("kept_attention", "kept_attention_head_std", "merge_weight_attention",
+                         "merge_weight_gdn"), values))
+
+
+def _spec(select: bool):
+    def spec(cfg) -> ModuleSpec:
+        return ModuleSpec(module=NatsLayer, params={"options": cfg.nats, "select": select, "eps": cfg.norm_eps})
+
+    return spec
+
+
+def nats_params(cfg, select: bool = True) -> int:
+    """Projection (q, k, v, gate, decay, beta, and the chunk scores for `N`), conv, A_log and dt_bias, output
+    projection; for `N` also the merge map, q/k norms and both branch scales, for `G` the output norm."""
+    o, d = cfg.nats, cfg.hidden_size
+    H, K, V = o.gdn_heads, o.gdn_head_dim, o.gdn_value_dim
+    n = d * H * (2 * K + 2 * V + 2) + H * (2 * K + V) * o.conv_size + 2 * H + H * V * d
+    if not select:
+        return n + V
+    return n + d * 2 * H + 2 * o.attention_heads * H * K + 2 * o.attn_qk_dim + 2 * o.attn_v_dim
+
+
+def _gdn_core_flops(cfg) -> float:
+    """Chunked Gated DeltaNet per token and head, 2 FLOPs per MAC: v' = u - wS, the state write, qS (3 KV), the
+    intra-chunk kk^T, qk^T, (I + A)^-1 k (3 CK) and (I + A)^-1 v, (qk^T) v' (2 CV)."""
+    o = cfg.nats
+    K, V = o.gdn_head_dim, o.gdn_value_dim
+    return 2.0 * o.gdn_heads * (3 * K * V + 3 * CHUNK * K + 2 * CHUNK * V)
+
+
+def nats_flops(cfg, select: bool = True) -> float:
+    """2 per weight, the conv, the GDN core, and for `N` attention over the own chunk plus the kept fraction
+    (model.nats.kept_fraction, default 1.0: every chunk, the worst case) of the causal context."""
+    o = cfg.nats
+    conv = 2.0 * o.gdn_heads * (2 * o.gdn_head_dim + o.gdn_value_dim) * o.conv_size
+    flops = 2.0 * nats_params(cfg, select) + conv + _gdn_core_flops(cfg)
+    if select:
+        seen = o.kept_fraction * cfg.seq_length + (1 - o.kept_fraction) * CHUNK
+        flops += seen * o.attention_heads * (o.attn_qk_dim + o.attn_v_dim)
+    return flops
+
+
+def nats_state_floats(cfg, context: int, select: bool = True) -> int:
+    """Decode cache: GDN state (and for `N` its rollback copy), conv tails, and for `N` the K/V of the open
+    chunk and of the kept complete chunks (model.nats.kept_fraction of them; 1.0 = all kept, the worst case)."""
+    o = cfg.nats
+    H, K, V = o.gdn_heads, o.gdn_head_dim, o.gdn_value_dim
+    floats = H * K * V * (2 if select else 1) + (o.conv_size - 1) * H * (2 * K + V)
+    if select:
+        kept_tokens = round(o.kept_fraction * (context // CHUNK)) * CHUNK
+        floats += (kept_tokens + CHUNK) * o.attention_heads * (o.attn_qk_dim + o.attn_v_dim)
+    return floats
+
+
+def cache_bytes(cfg, context: int, kv_bytes: int = 2) -> dict[str, int]:
+    """Decode-cache bytes per layer after `context` tokens: `N` (at model.nats.kept_fraction), `G`, and the full
+    KV cache of a softmax layer `S` of the same model; states fp32, K/V and conv tails `kv_bytes` each."""
+    from megahybrid.model.mixers.softmax import softmax_state_floats
+
+    o = cfg.nats
+    H, K, V = o.gdn_heads, o.gdn_head_dim, o.gdn_value_dim
+    out = {}
+    for char, select in (("N", True), ("G", False)):
+        state = H * K * V * (2 if select else 1)
+        out[char] = 4 * state + kv_bytes * (nats_state_floats(cfg, context, select) - state)
+    out["S"] = kv_bytes * softmax_state_floats(cfg, context)
+    return out
+
+
+NATSL = Mixer("N", "NAtS-L", _spec(True), nats_params, nats_flops, nats_state_floats, chunk_size=CHUNK, cp=False,
+              cache="NAtS-L cache: kept-chunk K/V + open chunk, GDN state + rollback copy, conv tails")
+GATED_DELTANET = Mixer(
+    "G", "Gated DeltaNet", _spec(False), lambda cfg: nats_params(cfg, False), lambda cfg: nats_flops(cfg, False),
+    lambda cfg, context: nats_state_floats(cfg, context, False), chunk_size=CHUNK, cp=False,
+    cache="GDN state + conv tails")

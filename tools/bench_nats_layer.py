@@ -1,0 +1,79 @@
+"""NAtS-L Hybrid (natsl-340m) against the same-size softmax model `S`: prefill (forward) time at 128K and decode
+step time after 8K and 128K tokens, bf16, batch 1, one GPU.
+
+The selection of an untrained model is a coin flip per chunk; trained NAtS-L layers keep few chunks for
+attention, so the `N` layers here keep a fixed fraction (KEPT, random chunks) to time what a trained model runs.
+Usage: python tools/bench_nats_layer.py  (writes tools/results/nats-layer-<date>.{json,md}).
+Training throughput of the presets: tools/bench_train.py with --config natsl-340m (and -n, -g, -s).
+"""
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from megahybrid.distributed import init_distributed  # noqa: E402
+from megahybrid.model import decode  # noqa: E402
+from megahybrid.model.config import preset  # noqa: E402
+from megahybrid.model.gpt import build_model  # noqa: E402
+from megahybrid.model.mixers.nats import NatsLayer, cache_bytes  # noqa: E402
+from megahybrid.parallel import ParallelLayout  # noqa: E402
+from tools.benchutil import format_table, peak_memory_mib, save_results, time_ms  # noqa: E402
+
+KEPT = 0.1
+PREFILL = 131072
+DECODE_CONTEXTS = (8192, 131072)
+
+
+def _fixed_fraction_choose(self, score):
+    """KEPT of the chunks to attention, the rest to GDN, at random positions per (batch, head)."""
+    B, NC, H = score.shape[:3]
+    keep_attn = (torch.rand(B, H, NC, device=score.device) < KEPT).float()
+    return keep_attn, 1.0 - keep_attn
+
+
+def _model(pattern: str, seq: int):
+    cfg = preset("natsl-340m", pattern=pattern, seq_length=seq)
+    return cfg, build_model(cfg, ParallelLayout(), "bf16").eval()
+
+
+def _prefill_row(name, pattern):
+    cfg, model = _model(pattern, PREFILL)
+    tokens = torch.randint(0, cfg.vocab_size, (1, PREFILL), device="cuda")
+    run = lambda: decode.full_logits(model, tokens)  # noqa: E731
+    return {"model": name, "what": f"prefill {PREFILL // 1024}K", "ms": time_ms(run, 20, 100),
+            "peak_mib": peak_memory_mib(run)}
+
+
+def _decode_row(name, pattern, context):
+    cfg, model = _model(pattern, context + 64)
+    ctx = decode.new_context(1, context + 64)
+    decode.step_logits(model, torch.randint(0, cfg.vocab_size, (1, context), device="cuda"), ctx)
+    token = torch.randint(0, cfg.vocab_size, (1, 1), device="cuda")
+
+    def step():  # the same position each time: time one step at `context` tokens
+        decode.step_logits(model, token, ctx)
+        ctx.sequence_len_offset -= 1
+
+    layer_bytes = cache_bytes(cfg.replace(nats={"kept_fraction": KEPT}), context)
+    per_layer = {c: layer_bytes[c] / 2**20 for c in dict.fromkeys(cfg.layer_pattern)}
+    return {"model": name, "what": f"decode step @ {context // 1024}K", "ms": time_ms(step, 20, 100),
+            "cache_mib_per_layer": ", ".join(f"{c} {v:.1f}" for c, v in per_layer.items())}
+
+
+def main():
+    init_distributed(ParallelLayout())
+    NatsLayer._choose = _fixed_fraction_choose
+    hybrid = preset("natsl-340m").pattern
+    rows = [_prefill_row("Hybrid", hybrid), _prefill_row("S", "S")]
+    rows[0]["speedup"] = rows[1]["ms"] / rows[0]["ms"]
+    for context in DECODE_CONTEXTS:
+        pair = [_decode_row("Hybrid", hybrid, context), _decode_row("S", "S", context)]
+        pair[0]["speedup"] = pair[1]["ms"] / pair[0]["ms"]
+        rows += pair
+    print(format_table(rows))
+    print("saved", save_results("nats-layer", rows, {"kept_fraction": KEPT}))
+
+
+if __name__ == "__main__":
+    main()
