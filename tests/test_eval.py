@@ -1,6 +1,6 @@
 """Evaluation and generation (megahybrid.eval) on a tiny model trained two steps on the built-in corpus: perplexity
 by position bucket equals the cross entropy of the full forward, generation at temperature 0 equals full-forward
-greedy decoding, the lm-eval adapter's log-likelihoods equal log-softmax of the logits, recall runs zero-shot and
+greedy decoding (also for a fresh model of every available mixer), the lm-eval adapter's log-likelihoods equal log-softmax of the logits, recall runs zero-shot and
 a tiny model trained on MQAR beats its untrained self; bad inputs exit 2 with one line."""
 import contextlib
 import io
