@@ -1,5 +1,6 @@
-"""The `megahybrid` command: `megahybrid train --config NAME_OR_PATH [key=value ...]`, `megahybrid data ...` and
-`megahybrid convert ...` and `megahybrid slurm submit ...`.
+"""The `megahybrid` command: `megahybrid train --config NAME_OR_PATH [key=value ...]`, `megahybrid data ...`,
+`megahybrid convert ...`, `megahybrid slurm submit ...`, `megahybrid eval ppl|recall|harness ...` and
+`megahybrid generate ...`.
 
 User errors (config, data, launch environment, checkpoints) print one line `error: ...` to stderr and exit with
 code 2, without a traceback. Training exit codes are listed in megahybrid/train/trainer.py.
@@ -35,6 +36,10 @@ def parser() -> argparse.ArgumentParser:
     from megahybrid.slurm import add_slurm_commands
 
     add_slurm_commands(subparsers)
+    from megahybrid.eval.cli import add_eval_commands, add_generate_command
+
+    add_eval_commands(subparsers)
+    add_generate_command(subparsers)
     return top
 
 
@@ -122,6 +127,10 @@ def main(argv: list[str] | None = None) -> int:
             return run(args)
         if args.command == "slurm":
             from megahybrid.slurm import run
+
+            return run(args)
+        if args.command in ("eval", "generate"):
+            from megahybrid.eval.cli import run
 
             return run(args)
         # Before torch is imported: a SIGTERM or Ctrl-C in the first seconds gets a message and an exit code too.

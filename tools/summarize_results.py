@@ -1,0 +1,207 @@
+"""Regenerate tools/results/README.md: one table of the latest measured numbers (what, value, anchor, date, GPU,
+commit) from the JSON results in tools/results/.
+
+    python tools/summarize_results.py [--results DIR] [--check]
+
+A result file is {"meta": {date, gpu, commit, ...}, "rows": [...]} (the benchmarks), or {"meta", "results"}
+(`megahybrid eval ppl`). Files named FAMILY-YYYY-MM-DD[-TAG][-COMMIT].json form families; the latest file of
+each family is summarized (by date, then by its commit's time in git, then by file time). A headline rule is
+chosen by the columns a file's rows have; a file no rule fits, or one that is not valid JSON, gets one line
+saying so instead of stopping the script. --check exits 1 when README.md is out of date.
+"""
+import argparse
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+NAME = re.compile(r"^(?P<family>.+?)-(?P<date>\d{4}-\d{2}-\d{2})(?:-(?P<tag>.+))?$")
+COMMIT = re.compile(r"^(.*?)-?([0-9a-f]{7,40}(?:\+\S+)?)$")
+HEADLINE_T = (4096, 16384)
+
+
+def family_of(stem: str) -> tuple[str, str]:
+    """("interdomain-plans", "2026-11-30") from "interdomain-2026-11-30-plans-60b4f46"."""
+    match = NAME.match(stem)
+    if not match:
+        return stem, ""
+    tag = match.group("tag") or ""
+    commit = COMMIT.match(tag)
+    tag = commit.group(1) if commit else tag
+    return match.group("family") + (f"-{tag}" if tag else ""), match.group("date")
+
+
+def commit_time(commit: str) -> int:
+    sha = re.split(r"[^0-9a-f]", commit or "")[0]
+    if not sha:
+        return 0
+    out = subprocess.run(["git", "-C", HERE, "show", "-s", "--format=%ct", sha], capture_output=True, text=True)
+    return int(out.stdout.strip()) if out.returncode == 0 and out.stdout.strip().isdigit() else 0
+
+
+def load(path: str):
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError) as err:
+        return {"error": f"unreadable ({type(err).__name__})"}
+
+
+def latest_files(results_dir: str) -> dict[str, tuple[str, dict]]:
+    """family -> (file name, content) of its latest file."""
+    best = {}
+    for name in sorted(os.listdir(results_dir)):
+        if not name.endswith(".json"):
+            continue
+        path = os.path.join(results_dir, name)
+        data = load(path)
+        meta = _meta(data)
+        family, date = family_of(name[:-5])
+        key = (str(meta.get("date", date)), commit_time(str(meta.get("commit", ""))), os.path.getmtime(path))
+        if family not in best or key > best[family][0]:
+            best[family] = (key, name, data)
+    return {family: (name, data) for family, (_, name, data) in sorted(best.items())}
+
+
+def _num(value, spec: str = ".3g") -> str:
+    if isinstance(value, (int, float)) and not (isinstance(value, float) and math.isnan(value)):
+        return format(value, spec)
+    return "-"
+
+
+def _train_rows(rows, meta):
+    for r in rows:
+        compiled = " compiled" if r.get("compile") else ""
+        what = f"train {r['preset']} seq {r.get('seq')} batch {r.get('batch')}{compiled}"
+        yield (what, f"{_num(r['tok/s'], ',.0f')} tok/s, MFU {_num(r.get('MFU_meas'), '.1%')}",
+               f"{_num(r.get('TFLOP/s'), '.0f')} of {_num(meta.get('matmul_peak_tflops'), '.0f')} TFLOP/s matmul peak")
+
+
+def _kernel_rows(rows, meta):
+    sdpa = {}
+    for r in rows:
+        if str(r["op"]).startswith("sdpa"):
+            sdpa[r["T"]] = max(sdpa.get(r["T"], 0.0), r.get("fwdbwd_Mtok/s") or 0.0)
+    for r in rows:
+        if r.get("T") in HEADLINE_T and not str(r["op"]).startswith(("sdpa", "fla", "model")):
+            anchor = f"best SDPA {_num(sdpa[r['T']], '.2f')}" if r["T"] in sdpa else "-"
+            yield (f"{r['op']} T={r['T']} M={r.get('M')}",
+                   f"{_num(r.get('fwd_Mtok/s'), '.1f')} fwd / {_num(r.get('fwdbwd_Mtok/s'), '.2f')} fwd+bwd Mtok/s",
+                   anchor + " fwd+bwd Mtok/s" if anchor != "-" else anchor)
+
+
+def _nats_attention_rows(rows, meta):
+    for r in rows:
+        if r.get("T") in HEADLINE_T and r.get("pass") == "fwd+bwd" and r.get("kept") in (0.1, 0.5):
+            yield (f"NAtS attention T={r['T']} kept {_num(r['kept'], '.0%')} fwd+bwd",
+                   f"{_num(r['ours_ms'], '.2f')} ms",
+                   f"SDPA causal {_num(r.get('sdpa_causal_ms'), '.2f')} ms ({_num(r.get('speedup_vs_sdpa'), '.1f')}x)")
+
+
+def _gdn_rows(rows, meta):
+    for r in rows:
+        if r.get("T") in HEADLINE_T and r.get("kept_%") in (10, 50):
+            yield (f"NAtS GDN T={r['T']} kept {r['kept_%']}%",
+                   f"fwd {_num(r['fwd_ms'], '.2f')} ms, fwd+bwd {_num(r.get('fwd_bwd_ms'), '.2f')} ms",
+                   f"fla fwd {_num(r.get('fla_fwd_ms'), '.2f')} ms")
+
+
+def _recall_rows(rows, meta):
+    for r in rows:
+        setting = f"{r['keys']} keys" if "keys" in r else f"depth {r.get('depth')}"
+        yield (f"{r['task']} {meta.get('pattern', '')} L={r['length']} {setting}", _num(r["accuracy"], ".3f"),
+               "accuracy")
+
+
+def _eval_rows(rows, meta):
+    for r in rows:
+        yield (f"{r['preset']} {r['mixer']} T={r['T']}: eval ppl forward, decode after a T-token prompt",
+               f"{_num(r['eval_tok/s'], ',.0f')} tok/s eval, {_num(r.get('decode_tok/s B=1'), ',.0f')} / "
+               f"{_num(r.get('decode_tok/s B=16'), ',.0f')} tok/s decode at batch 1 / 16",
+               f"prefill {_num(r.get('prefill_ms'), '.1f')} ms")
+
+
+# (columns a row must have, rule): the first rule whose columns the first row has.
+RULES = [
+    ({"preset", "tok/s"}, _train_rows),
+    ({"op", "fwdbwd_Mtok/s"}, _kernel_rows),
+    ({"speedup_vs_sdpa", "ours_ms"}, _nats_attention_rows),
+    ({"fla_fwd_ms", "fwd_ms"}, _gdn_rows),
+    ({"task", "accuracy"}, _recall_rows),
+    ({"mixer", "eval_tok/s"}, _eval_rows),
+]
+
+
+def _ppl_lines(data):
+    for result in data.get("results", []):
+        buckets = result.get("buckets", [])
+        curve = ", ".join(f"{b['bucket']}: {_num(b['ppl'], '.2f')}" for b in buckets)
+        yield (f"ppl {result.get('label')}", curve or "-", f"trained at {result.get('train_length')}")
+
+
+def headlines(name: str, data) -> list[tuple[str, str, str]]:
+    if not isinstance(data, dict):
+        return [(name, "-", "not a {meta, rows} record")]
+    if "error" in data:
+        return [(name, "-", data["error"])]
+    meta = _meta(data)
+    if isinstance(data.get("results"), list):
+        return list(_ppl_lines(data))
+    rows = [r for r in data.get("rows", []) if isinstance(r, dict)] if isinstance(data.get("rows"), list) else []
+    for columns, rule in RULES:
+        if rows and columns <= set(rows[0]):
+            try:
+                return list(rule(rows, meta)) or [(name, "-", "no row at the headline lengths")]
+            except (KeyError, TypeError, ValueError) as err:
+                return [(name, "-", f"rule {rule.__name__} failed on a row ({type(err).__name__}: {err})")]
+    return [(name, f"{len(rows)} rows", "tuning data, no headline rule: see the .md beside it")]
+
+
+def render(results_dir: str) -> str:
+    lines = ["# Measured results", "",
+             "The latest file of each result family, one headline row per setting (4K and 16K tokens where the file "
+             "has lengths). Regenerate with `python tools/summarize_results.py` after adding a JSON result; every "
+             "number links to its file, which has the full table and the settings.", "",
+             "| what | value | anchor | date | GPU | commit | file |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    latest = latest_files(results_dir)
+    variants = [f for f in latest if any(f.startswith(base + "-") for base in latest if base != f)]
+    for family, (name, data) in latest.items():
+        if family in variants:
+            continue
+        meta = _meta(data)
+        for what, value, anchor in headlines(family, data):
+            cells = [what, value, anchor, str(meta.get("date", "-")), str(meta.get("gpu") or meta.get("device") or "-"),
+                     str(meta.get("commit", "-")), f"[{name}]({name})"]
+            lines.append("| " + " | ".join(c.replace("|", "/") for c in cells) + " |")
+    if variants:
+        listed = ", ".join(f"[{latest[f][0]}]({latest[f][0]}) ({_meta(latest[f][1]).get('commit', '-')})"
+                           for f in variants)
+        lines += ["", f"Variants, baselines and tuning sweeps of the families above (latest file each): {listed}."]
+    return "\n".join(lines) + "\n"
+
+
+def _meta(data) -> dict:
+    return data["meta"] if isinstance(data, dict) and isinstance(data.get("meta"), dict) else {}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--results", default=os.path.join(HERE, "results"))
+    parser.add_argument("--check", action="store_true", help="exit 1 when README.md differs from a regeneration")
+    args = parser.parse_args(argv)
+    text, path = render(args.results), os.path.join(args.results, "README.md")
+    if args.check:
+        current = open(path).read() if os.path.isfile(path) else ""
+        print("up to date" if current == text else f"{path} is out of date: run python tools/summarize_results.py")
+        return 0 if current == text else 1
+    with open(path, "w") as f:
+        f.write(text)
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
