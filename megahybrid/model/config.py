@@ -5,6 +5,10 @@ from dataclasses import dataclass
 from megahybrid.errors import ConfigError
 
 
+RECOMPUTE = ("none", "selective", "full")
+RECOMPUTE_MODULES = ("core_attn", "mlp")
+
+
 @dataclass
 class ModelConfig:
     """Llama-style decoder. `pattern` has one character per mixer kind (see megahybrid.model.specs.MIXERS);
@@ -23,6 +27,12 @@ class ModelConfig:
     norm_eps: float = 1e-5
     init_std: float = 0.02
     mixer_chunk_size: int = 64
+    # Activation recomputation (megatron-core's recompute_granularity): "none"; "selective" recomputes the
+    # `recompute_modules` of each layer (core_attn, mlp; default core_attn); "full" recomputes whole layers:
+    # every layer, or the first `recompute_num_layers` when given (megatron's block method).
+    recompute: str = "none"
+    recompute_modules: list | None = None
+    recompute_num_layers: int | None = None
 
     def __post_init__(self):
         self.validate()
@@ -71,6 +81,24 @@ class ModelConfig:
                 f"model.pattern {self.pattern!r} (length {len(self.pattern)}) does not tile "
                 f"model.num_layers={self.num_layers}; give a pattern whose length divides num_layers"
             )
+        self._validate_recompute()
+
+    def _validate_recompute(self) -> None:
+        if self.recompute not in RECOMPUTE:
+            raise ConfigError(f"model.recompute={self.recompute!r}: choose one of {', '.join(RECOMPUTE)}")
+        if self.recompute_modules is not None:
+            if self.recompute != "selective":
+                raise ConfigError("model.recompute_modules applies to model.recompute=selective only; remove it")
+            bad = sorted(set(self.recompute_modules) - set(RECOMPUTE_MODULES))
+            if bad or not self.recompute_modules:
+                raise ConfigError(f"model.recompute_modules={self.recompute_modules}: choose from "
+                                  f"{list(RECOMPUTE_MODULES)} (others need TransformerEngine)")
+        if self.recompute_num_layers is not None:
+            if self.recompute != "full":
+                raise ConfigError("model.recompute_num_layers applies to model.recompute=full only; remove it")
+            if not 1 <= self.recompute_num_layers <= self.num_layers:
+                raise ConfigError(f"model.recompute_num_layers={self.recompute_num_layers} must lie in "
+                                  f"[1, model.num_layers={self.num_layers}]")
 
     def replace(self, **overrides) -> "ModelConfig":
         known = {f.name for f in dataclasses.fields(self)}
