@@ -6,6 +6,7 @@ import pytest
 from megahybrid.errors import ConfigError
 from megahybrid.model.config import preset
 from tests.dist import run_on_ranks
+from tests.test_train_resume import data_dir  # noqa: F401  (fixture)
 from tests.utils import rel_rms_error
 
 RECOMPUTE_SETTINGS = {
@@ -67,3 +68,66 @@ def test_bad_recompute_messages(fields, message):
     with pytest.raises(ConfigError, ) as err:
         preset("tiny", **fields)
     assert message in str(err.value)
+
+
+def _records(run_dir, key) -> dict[int, float]:
+    import json
+    import os
+
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return {r["step"]: r[key] for r in map(json.loads, f) if key in r}
+
+
+def _printed(stdout, prefix) -> list[str]:
+    """The command after `prefix` in the output, without the bracketed hint and the parenthesized note."""
+    import shlex
+
+    line = next(line for line in stdout.splitlines() if line.startswith(prefix))
+    return shlex.split(line[len(prefix):].split(" [")[0].split(" (")[0])
+
+
+def test_extended_run_keeps_its_lr_schedule_and_printed_commands_work(data_dir, tmp_path):  # noqa: F811
+    import subprocess
+    import sys
+
+    from megahybrid.train.engine import LRSchedule
+    from tests.test_train_resume import _args, _env, run
+
+    run_dir = str(tmp_path / "run")
+    run(_args(run_dir, data_dir, 4))
+    (_, stdout, stderr), = run(_args(run_dir, data_dir, 6))
+    assert "keeping the LR schedule saved with the run (cosine 0.003 -> 0.0003 at step 4" in stderr
+    assert "set optimizer.reschedule=true" in stderr
+    lrs = _records(run_dir, "train/lr")
+    assert lrs[5] == lrs[6] == pytest.approx(3e-4), lrs  # the original schedule ended at min_lr
+    resume = _printed(stdout, "resume: ")
+    assert resume[:3] == [sys.executable, "-m", "megahybrid"], resume
+    rerun = subprocess.run(resume + ["train.steps=8", "optimizer.reschedule=true"], env=_env(), capture_output=True,
+                           text=True, timeout=300)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    lrs = _records(run_dir, "train/lr")
+    assert lrs[7] == pytest.approx(LRSchedule(3e-3, 3e-4, 1, 8)(6)) and lrs[7] > 2 * lrs[6], lrs
+    tensorboard = _printed(stdout, "tensorboard: ")
+    assert tensorboard[:3] == [sys.executable, "-m", "tensorboard.main"], tensorboard
+    version = subprocess.run(tensorboard[:3] + ["--version_tb"], capture_output=True, text=True, timeout=120)
+    assert version.returncode == 0 and version.stdout.strip(), version.stderr[-2000:]
+
+
+@pytest.mark.dist
+def test_launchers_report_config_errors_in_one_line_and_pass_exit_codes(data_dir, tmp_path):  # noqa: F811
+    import re
+    import subprocess
+    import sys
+
+    from tests.test_train_resume import EXIT_NONFINITE, _args, _env, finish, launch
+
+    ours = [sys.executable, "-m", "megahybrid", "train", "--config", "demo", "--nproc-per-node", "2"]
+    bad = subprocess.run(ours + ["train.steps=-1"], env=_env(), capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and bad.stderr.splitlines() == ["error: train.steps=-1 must be > 0"], bad.stderr
+    (_, stdout, stderr), = finish(launch(["train", "--config", "demo", "train.steps=-1"], world=2, style="torchrun"))
+    assert (stdout + stderr).count("error: train.steps=-1 must be > 0") == 1, stderr  # once, not once per rank
+    args = _args(str(tmp_path / "nan"), data_dir, 4, "debug.nan_loss_steps=[1,2]", "train.max_consecutive_nonfinite=2")
+    stopped = subprocess.run(ours + args[3:], env=_env(), capture_output=True, text=True, timeout=300)
+    assert stopped.returncode == EXIT_NONFINITE, stopped.stderr[-3000:]
+    assert "error: 2 steps in a row had a non-finite loss" in stopped.stderr
+    assert re.search(f"error: rank [01] exited with code {EXIT_NONFINITE}; its output is above", stopped.stderr)

@@ -67,6 +67,9 @@ class OptimizerSection:
     warmup_steps: int = 100
     schedule: str = "cosine"
     grad_clip: float = 1.0
+    # On resume the schedule saved in the checkpoint is kept (a larger train.steps continues at its end);
+    # true replaces it with the one this config describes.
+    reschedule: bool = False
 
 
 @dataclass
@@ -77,7 +80,9 @@ class TrainSection:
     deepspeed_config: str = "zero1"
     deterministic: bool = False
     max_consecutive_nonfinite: int = 5
-    compile: bool = False  # torch.compile the model through the DeepSpeed engine (see tools/bench_train.py)
+    # torch.compile the model through the DeepSpeed engine: auto = on with a GPU (measured faster, issue #15),
+    # off on CPU; true / false force it.
+    compile: bool | str = "auto"
 
 
 @dataclass
@@ -280,6 +285,7 @@ def validate(cfg: RunConfig, world_size: int, has_gpu: bool, check_data: bool = 
     _check_numbers(cfg)
     _check_batch(cfg, layout)
     precision = resolved_precision(cfg, has_gpu)
+    resolved_compile(cfg, has_gpu)
     ds = load_deepspeed_config(cfg.train.deepspeed_config)
     _check_zero(cfg, ds, layout, has_gpu)
     if check_data and not cfg.data.builtin:
@@ -337,6 +343,13 @@ def resolved_precision(cfg: RunConfig, has_gpu: bool) -> str:
     if value == "bf16" and not has_gpu:
         raise ConfigError("train.precision=bf16 needs a GPU; use auto or fp32 on CPU")
     return value
+
+
+def resolved_compile(cfg: RunConfig, has_gpu: bool) -> bool:
+    value = cfg.train.compile
+    if value not in (True, False, "auto"):
+        raise ConfigError(f"train.compile={value!r}: choose auto (on with a GPU, off on CPU), true or false")
+    return has_gpu if value == "auto" else value
 
 
 def resolve_deepspeed_path(name_or_path: str) -> Path:

@@ -5,9 +5,11 @@ Exit codes (also in megahybrid/train/README.md): 0 finished; 1 crashed; 2 user e
 checkpoint); 3 stopped by SIGTERM/SIGUSR1 after saving a checkpoint (requeue and it resumes); 4 stopped after
 `train.max_consecutive_nonfinite` non-finite losses in a row (checkpoint saved).
 """
+import json
 import logging
 import math
 import os
+import shlex
 import signal
 import sys
 import time
@@ -17,8 +19,8 @@ import torch
 import torch.distributed as dist
 
 from megahybrid.errors import UserError
-from megahybrid.train.checkpoint import CheckpointManager
-from megahybrid.train.config import RunConfig, validate, zero_stage
+from megahybrid.train.checkpoint import TRAINER_STATE, CheckpointManager
+from megahybrid.train.config import RunConfig, resolved_compile, validate, zero_stage
 from megahybrid.train.data import build_splits, prepare_data, train_loader, valid_loader
 from megahybrid.train.engine import LRSchedule, build_engine, set_lr
 from megahybrid.train.metrics import TrainLogger, flops_per_token, memory_mib, model_metrics, say
@@ -87,10 +89,9 @@ class Trainer:
         self.model = build_model(plan.model, plan.layout, plan.precision)
         self.engine, self.optimizer, self.ds_config = build_engine(
             self.model, self.cfg, self.groups, plan.ds_base, plan.precision)
-        if self.cfg.train.compile:
+        self.compiled = resolved_compile(self.cfg, torch.cuda.is_available())
+        if self.compiled:
             self.engine.compile()
-        o = self.cfg.optimizer
-        self.schedule = LRSchedule(o.lr, o.min_lr, o.warmup_steps, self.cfg.train.steps, o.schedule)
         self.gas = self.engine.gradient_accumulation_steps()
         self.flops_per_token = flops_per_token(plan.model)
         self.num_params = count_parameters(plan.model)
@@ -99,6 +100,7 @@ class Trainer:
         self.ckpt = CheckpointManager(self.cfg.checkpoint_dir, self.cfg.checkpoint.keep, warn=self._warn,
                                       hooks=self._checkpoint_hook)
         self.resume_tag = self._resume() if resume else self._refuse_existing()
+        self.schedule = self._run_schedule()
         train_ds, self.valid_ds = build_splits(self.cfg, plan.data, plan.model.seq_length, self.groups)
         self.loader = train_loader(self.cfg, train_ds, self.groups, self.consumed_samples, plan.data.num_workers)
         self.logger = TrainLogger(self.is_logger, self.cfg.run_dir,
@@ -125,6 +127,25 @@ class Trainer:
         self.skipped = state["skipped_steps"]
         self.consecutive_nonfinite = state["consecutive_nonfinite"]
         return tag
+
+    def _run_schedule(self) -> LRSchedule:
+        """The config's LR schedule; on resume the one saved with the run unless optimizer.reschedule, so that a
+        larger train.steps does not silently raise the learning rate again."""
+        o = self.cfg.optimizer
+        configured = LRSchedule(o.lr, o.min_lr, o.warmup_steps, self.cfg.train.steps, o.schedule)
+        saved = self._saved_schedule()
+        if saved is None or o.reschedule or saved.state_dict() == configured.state_dict():
+            return configured
+        self._warn(f"keeping the LR schedule saved with the run ({saved.describe()}); this config asks for "
+                   f"{configured.describe()}: set optimizer.reschedule=true to switch to it")
+        return saved
+
+    def _saved_schedule(self) -> LRSchedule | None:
+        if self.resume_tag is None:
+            return None
+        with open(os.path.join(self.cfg.checkpoint_dir, self.resume_tag, TRAINER_STATE)) as f:
+            state = json.load(f).get("lr_schedule")
+        return LRSchedule.from_state(state) if state else None
 
     def _refuse_existing(self) -> None:
         if self.ckpt.tags():
@@ -168,7 +189,9 @@ class Trainer:
         flags = torch.stack([loss_sum, (~torch.isfinite(loss_sum)).double(),
                              torch.tensor(float(self.stop.requested), dtype=torch.float64, device=loss_sum.device)])
         dist.all_reduce(flags)
-        skip = flags[1].item() > 0
+        # The skip decision is the step's one host sync; loss and stop flag come with it.
+        loss_total, nonfinite, stop = flags.tolist()
+        skip = nonfinite > 0
         self.optimizer.skipping = skip
         try:
             self.engine.step()
@@ -177,9 +200,10 @@ class Trainer:
         self.step += 1
         self.skipped += int(skip)
         self.consecutive_nonfinite = self.consecutive_nonfinite + 1 if skip else 0
+        # A device tensor under bf16: TrainLogger reads it later, so the host need not wait for the optimizer.
         norm = self.engine.get_global_grad_norm()
-        return {"loss": flags[0].item() / (self.gas * dist.get_world_size()), "lr": lr, "skip": skip,
-                "stop": flags[2].item() > 0, "grad_norm": float(norm) if norm is not None else float("nan")}
+        return {"loss": loss_total / (self.gas * dist.get_world_size()), "lr": lr, "skip": skip,
+                "stop": stop > 0, "grad_norm": float("nan") if norm is None else norm}
 
     def _loss(self, batch: dict) -> torch.Tensor:
         from megahybrid.model.gpt import lm_loss
@@ -230,7 +254,7 @@ class Trainer:
             f"# derived: world_size={self.plan.world_size} tp={lay.tp} cp={lay.cp} dp={lay.dp} "
             f"grad_accumulation={self.gas} precision={self.plan.precision} zero_stage={zero_stage(self.ds_config)} "
             f"params={self.num_params / 1e6:.2f}M flops_per_token={self.flops_per_token:.3e} "
-            f"device={self.engine.device}"
+            f"compile={self.compiled} device={self.engine.device}"
         )
         text = self.cfg.to_yaml() + derived
         print("resolved config:\n" + text, flush=True)
@@ -289,9 +313,14 @@ class Trainer:
                   file=sys.stderr, flush=True)
         else:
             print(f"training finished at step {self.step}: checkpoint {path}", flush=True)
-        print(f"resume: python -m megahybrid train --config {os.path.join(self.cfg.run_dir, 'config.yaml')} "
-              f"[train.steps=N to go further] (continues from {self.cfg.checkpoint_dir}/latest)\n"
-              f"tensorboard: tensorboard --logdir {self.cfg.tensorboard_dir}", flush=True)
+        python = shlex.quote(sys.executable)
+        launch = f"{python} -m megahybrid" if self.plan.world_size == 1 else (
+            f"{python} -m torch.distributed.run --nproc_per_node {self.plan.world_size} -m megahybrid")
+        config = shlex.quote(os.path.join(self.cfg.run_dir, "config.yaml"))
+        print(f"resume: {launch} train --config {config} [train.steps=N to go further] (continues from "
+              f"{self.cfg.checkpoint_dir}/latest{'' if self.plan.world_size == 1 else '; or your srun / mpirun line'})"
+              f"\ntensorboard: {python} -m tensorboard.main --logdir {shlex.quote(self.cfg.tensorboard_dir)}",
+              flush=True)
 
 
 def _quiet_deepspeed() -> None:
