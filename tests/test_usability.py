@@ -131,3 +131,45 @@ def test_launchers_report_config_errors_in_one_line_and_pass_exit_codes(data_dir
     assert stopped.returncode == EXIT_NONFINITE, stopped.stderr[-3000:]
     assert "error: 2 steps in a row had a non-finite loss" in stopped.stderr
     assert re.search(f"error: rank [01] exited with code {EXIT_NONFINITE}; its output is above", stopped.stderr)
+
+
+def _tool(name):
+    import importlib
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
+    return importlib.import_module(name)
+
+
+def test_prepare_wikipedia_defaults_next_to_the_repo_and_prints_data_overrides(tmp_path, capsys):
+    import os
+
+    prepare = _tool("prepare_wikipedia")
+    assert prepare.DEFAULT_INPUT == os.path.join(os.path.dirname(prepare.REPO), "shared", "data", "wikipedia-en")
+    assert prepare.main(["--input-dir", str(tmp_path / "absent"), "--out-dir", str(tmp_path / "out")]) == 2
+    assert "point --input-dir at the wikipedia-en folder" in capsys.readouterr().err
+    text = prepare.train_overrides("out/tokenizer.model", {"train": "out/train_text_document"})
+    assert text == (f"data.tokenizer_model={os.path.abspath('out/tokenizer.model')} "
+                    f"data.train_prefixes=[{os.path.abspath('out/train_text_document')}]")
+
+
+def test_version_extensions_cache_and_compile_default(capsys, monkeypatch):
+    import os
+
+    from megahybrid import __version__
+    from megahybrid.cli import default_torch_extensions_dir, main
+    from megahybrid.train.config import load_config, resolved_compile
+
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0 and capsys.readouterr().out.strip() == f"megahybrid {__version__}"
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    assert default_torch_extensions_dir() == os.path.join(repo, ".cache", "torch_extensions")  # as the Makefile
+    monkeypatch.setattr(os, "environ", {k: v for k, v in os.environ.items() if k != "TORCH_EXTENSIONS_DIR"})
+    assert main(["train", "--config", "demo", "train.steps=0"]) == 2
+    assert os.environ["TORCH_EXTENSIONS_DIR"] == default_torch_extensions_dir()
+    assert [resolved_compile(load_config("demo"), gpu) for gpu in (False, True)] == [False, True]
+    assert not resolved_compile(load_config("demo", ["train.compile=off"]), True)
+    with pytest.raises(ConfigError, match="train.compile='fast': choose auto"):
+        resolved_compile(load_config("demo", ["train.compile=fast"]), True)
