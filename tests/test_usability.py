@@ -173,3 +173,19 @@ def test_version_extensions_cache_and_compile_default(capsys, monkeypatch):
     assert not resolved_compile(load_config("demo", ["train.compile=off"]), True)
     with pytest.raises(ConfigError, match="train.compile='fast': choose auto"):
         resolved_compile(load_config("demo", ["train.compile=fast"]), True)
+
+
+@pytest.mark.slow
+def test_bench_train_runs_the_trainer_step_and_the_baseline_on_cpu(tmp_path):
+    import json
+
+    bench = _tool("bench_train")
+    rc = bench.main(["--rows", "tiny:full:2", "--seq", "128", "--tokens", "512", "--steps", "2", "--warmup", "1",
+                     "--results-dir", str(tmp_path)])
+    (path,) = tmp_path.glob("bench_train-*.json")
+    saved = json.loads(path.read_text())
+    assert rc == 0, saved["rows"]
+    assert [(r["system"], r["recompute"], r["gas"]) for r in saved["rows"]] == [("megahybrid", "full", 2),
+                                                                                ("baseline", "none", 2)]
+    assert all(r["tok/s"] > 0 and r["TFLOP/s"] > 0 and r["status"] == "ok" for r in saved["rows"])
+    assert {"date", "gpu", "commit", "timed", "flops_per_token"} <= set(saved["meta"])

@@ -41,9 +41,11 @@ class ParallelSection:
 @dataclass
 class DataSection:
     """Either the built-in corpus (prepared under `builtin_dir` on first use) or preprocessed .bin/.idx prefixes.
-    All other keys are megahybrid.data.config.DataConfig fields (prefixes, weights, split, tokenizer_model, ...)."""
+    All other keys are megahybrid.data.config.DataConfig fields (prefixes, weights, split, tokenizer_model, ...).
+    `synthetic`: uniformly random tokens instead (benchmarks, smoke tests); no data file is read."""
 
     builtin: bool = False
+    synthetic: bool = False
     builtin_dir: str = "data/builtin"
     builtin_vocab_size: int = 2048
     builtin_num_docs: int = 12000
@@ -288,7 +290,7 @@ def validate(cfg: RunConfig, world_size: int, has_gpu: bool, check_data: bool = 
     resolved_compile(cfg, has_gpu)
     ds = load_deepspeed_config(cfg.train.deepspeed_config)
     _check_zero(cfg, ds, layout, has_gpu)
-    if check_data and not cfg.data.builtin:
+    if check_data and not cfg.data.builtin and not cfg.data.synthetic:
         data_config(cfg).validate(model.seq_length, model.vocab_size)
     return model, layout, ds, precision
 
@@ -320,6 +322,8 @@ def _check_numbers(cfg: RunConfig) -> None:
         raise ConfigError(f"optimizer.schedule={o.schedule!r}: choose cosine, linear or constant")
     if cfg.eval.iters < 0:
         raise ConfigError(f"eval.iters={cfg.eval.iters} must be >= 0 (0 = no validation)")
+    if cfg.data.builtin and cfg.data.synthetic:
+        raise ConfigError("data.builtin=true and data.synthetic=true: choose one")
     if cfg.data.builtin and cfg.data.fields.get("prefixes"):
         raise ConfigError("data.builtin=true and data.prefixes are both set: use the built-in corpus or your prefixes")
 
