@@ -115,6 +115,7 @@ class TrainLogger:
         """One console line: step/total, loss, lr, throughput, MFU, skipped steps and ETA."""
         if not self.enabled:
             return
+        values = {k: float(v) for k, v in values.items()}  # device tensors: read here, every logging.interval
         now = time.monotonic()
         if self.start_step is None:
             self.start(step - 1)
