@@ -180,6 +180,13 @@ def tensor_parallel_group():
     return ps.get_tensor_model_parallel_group()
 
 
+def context_parallel_group():
+    """The CP group of this process (modules built from a spec receive only a config)."""
+    from megatron.core import parallel_state as ps
+
+    return ps.get_context_parallel_group(check_initialized=False)
+
+
 def shutdown() -> None:
     from megatron.core import parallel_state as ps
 

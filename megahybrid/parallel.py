@@ -56,11 +56,11 @@ class ParallelLayout:
             raise LayoutError(
                 f"model.num_kv_heads={num_kv_heads} is not divisible by tp={self.tp}; choose tp dividing it"
             )
-        unit = chunk_size * self.cp * (2 if self.cp > 1 else 1)
+        unit = chunk_size * self.cp  # contiguous CP shards of whole mixer chunks (megahybrid.model.cp)
         if seq_length % unit:
             raise LayoutError(
-                f"model.seq_length={seq_length} must be a multiple of {unit} (mixer chunk {chunk_size} x cp {self.cp}"
-                f"{' x 2 for load balance' if self.cp > 1 else ''}); change seq_length or cp"
+                f"model.seq_length={seq_length} must be a multiple of {unit} (mixer chunk {chunk_size} x cp {self.cp})"
+                "; change seq_length or cp"
             )
         if self.sequence_parallel and seq_length % (self.tp * self.cp):
             raise LayoutError(f"model.seq_length={seq_length} must be divisible by tp*cp for sequence parallelism")

@@ -19,31 +19,37 @@ def synthetic_batch(cfg: ModelConfig, step: int, global_batch: int, seed: int = 
 
 
 def average_dp_grads(model: torch.nn.Module, groups: Groups) -> None:
-    if groups.layout.dp == 1:
+    """Gradient mean over the data-parallel x context-parallel ranks (megatron's and DeepSpeed's convention)."""
+    replicas = groups.layout.dp * groups.layout.cp
+    if replicas == 1:
         return
     for param in model.parameters():
         if param.grad is not None:
-            dist.all_reduce(param.grad, group=groups.dp_group)
-            param.grad /= groups.layout.dp
+            dist.all_reduce(param.grad, group=groups.dp_cp_group)
+            param.grad /= replicas
 
 
 def train_steps(model, cfg: ModelConfig, groups: Groups, steps: int, global_batch: int, lr: float = 3e-3,
                 seed: int = 0) -> list[float]:
-    """Run `steps` AdamW steps; return the global mean loss of each step (same on every rank)."""
+    """Run `steps` AdamW steps; return the global mean loss of each step (same on every rank). Under context
+    parallelism each CP rank trains on its contiguous shard of the data-parallel rank's sequences."""
+    from megahybrid.model.cp import shard_batch
+
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     device = next(model.parameters()).device
     micro = global_batch // groups.layout.dp
+    cp_group = groups.cp_group if groups.layout.cp > 1 else None
     losses = []
     for step in range(steps):
         batch = synthetic_batch(cfg, step, global_batch, seed)[groups.dp_rank * micro:(groups.dp_rank + 1) * micro]
         batch = batch.to(device)
-        tokens, labels = batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
-        loss = lm_loss(model, tokens, labels, torch.ones_like(tokens))
+        parts = shard_batch({"tokens": batch[:, :-1], "labels": batch[:, 1:]}, groups.cp_rank, groups.layout.cp)
+        loss = lm_loss(model, parts["tokens"], parts["labels"], torch.ones_like(parts["tokens"]), cp_group)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         average_dp_grads(model, groups)
         opt.step()
         reported = loss.detach().clone()
-        dist.all_reduce(reported, group=groups.dp_group)
-        losses.append(reported.item() / groups.layout.dp)
+        dist.all_reduce(reported, group=groups.dp_cp_group)
+        losses.append(reported.item() / (groups.layout.dp * groups.layout.cp))
     return losses

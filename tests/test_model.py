@@ -3,7 +3,8 @@ import pytest
 
 from megahybrid.errors import ConfigError, LayoutError
 from megahybrid.model.config import PRESETS, ModelConfig, count_parameters, preset
-from megahybrid.model.specs import block_spec, mixer_for
+from megahybrid.model.mixers import MIXERS, check_context_parallel, mixer_for, state_floats
+from megahybrid.model.specs import block_spec
 from megahybrid.parallel import ParallelLayout
 
 # Parameter counts (vocab 32000, untied embeddings) stated in README.md.
@@ -35,7 +36,7 @@ def _build_tiny(rank, world):
 def test_pattern_tiles_layers():
     cfg = ModelConfig(num_layers=8, pattern="SSSS")
     assert cfg.layer_pattern == "S" * 8
-    assert len(block_spec(cfg.layer_pattern).layer_specs) == 8
+    assert len(block_spec(cfg).layer_specs) == 8
 
 
 @pytest.mark.parametrize(
@@ -56,8 +57,37 @@ def test_bad_model_config_messages(overrides, message):
 
 
 def test_unavailable_mixer_message():
-    with pytest.raises(ConfigError, match="not available yet"):
-        mixer_for("I")
+    planned = [c for c, m in MIXERS.items() if m.spec is None]
+    for char in planned:
+        with pytest.raises(ConfigError, match="not available yet"):
+            mixer_for(char)
+
+
+def test_mixer_records_are_complete():
+    """Every available mixer answers what the stack asks of its record, for the presets it can run."""
+    cfg = preset("125m")
+    for char, mixer in MIXERS.items():
+        if mixer.spec is None:
+            continue
+        assert mixer.char == char and mixer.chunk_size >= 1
+        assert mixer.params(cfg) > 0 and mixer.flops(cfg) > 2 * mixer.params(cfg) * 0.99
+        assert mixer.state_floats(cfg, 4096) > 0
+        assert mixer.spec(cfg).module is not None
+        assert (mixer.cp_bytes is not None) == mixer.cp
+        if mixer.cp:
+            assert mixer.cp_bytes(cfg, 1, 2) == 0 and mixer.cp_bytes(cfg, 2, 2) > 0
+
+
+def test_softmax_state_is_the_kv_cache_and_cp_gate_names_the_mixer(monkeypatch):
+    import dataclasses
+
+    cfg = preset("125m")
+    assert state_floats(cfg, 1000) == {"S": 2 * cfg.kv_heads * cfg.head_dim * 1000}
+    check_context_parallel("S", 2)
+    monkeypatch.setitem(MIXERS, "S", dataclasses.replace(MIXERS["S"], cp=False))
+    check_context_parallel("S", 1)
+    with pytest.raises(ConfigError, match="parallel.cp=2: context parallelism is not available yet for S"):
+        check_context_parallel("S", 2)
 
 
 def test_unknown_preset():
@@ -75,7 +105,7 @@ def test_unknown_preset():
         (lambda: ParallelLayout(tp=2, dp=2).check_world(3), "but 3 ranks were launched"),
         (lambda: ParallelLayout(tp=3).check_model(4, 4, 128), "num_heads=4 is not divisible by tp=3"),
         (lambda: ParallelLayout(tp=4).check_model(8, 2, 128), "num_kv_heads=2 is not divisible by tp=4"),
-        (lambda: ParallelLayout(cp=2).check_model(4, 4, 192, chunk_size=64), "multiple of 256"),
+        (lambda: ParallelLayout(cp=2).check_model(4, 4, 160, chunk_size=64), "multiple of 128"),
     ],
 )
 def test_bad_layout_messages(build, message):

@@ -10,8 +10,29 @@ RECOMPUTE_MODULES = ("core_attn", "mlp")
 
 
 @dataclass
+class InterdomainOptions:
+    """Options of the Interdomain family (`I`, `D`); set as `model.interdomain.<field>=...`."""
+
+    modes: int = 64
+    head_dim: int = 64
+    conv_size: int = 4
+
+
+@dataclass
+class NatsOptions:
+    """Options of the NAtS-L family (`N`, `G`); set as `model.nats.<field>=...`."""
+
+    gdn_head_dim: int = 128
+    conv_size: int = 4
+
+
+# Fields of ModelConfig that hold one mixer family's options; YAML / overrides give them as mappings.
+OPTION_SECTIONS = {"interdomain": InterdomainOptions, "nats": NatsOptions}
+
+
+@dataclass
 class ModelConfig:
-    """Llama-style decoder. `pattern` has one character per mixer kind (see megahybrid.model.specs.MIXERS);
+    """Llama-style decoder. `pattern` has one character per mixer kind (see megahybrid.model.mixers.MIXERS);
     a pattern shorter than num_layers is tiled ("IIIS" x 6 = 24 layers)."""
 
     num_layers: int = 2
@@ -26,7 +47,8 @@ class ModelConfig:
     rope_base: float = 10000.0
     norm_eps: float = 1e-5
     init_std: float = 0.02
-    mixer_chunk_size: int = 64
+    interdomain: InterdomainOptions = dataclasses.field(default_factory=InterdomainOptions)
+    nats: NatsOptions = dataclasses.field(default_factory=NatsOptions)
     # Activation recomputation (megatron-core's recompute_granularity): "none"; "selective" recomputes the
     # `recompute_modules` of each layer (core_attn, mlp; default core_attn); "full" recomputes whole layers:
     # every layer, or the first `recompute_num_layers` when given (megatron's block method).
@@ -72,7 +94,7 @@ class ModelConfig:
             )
         if not self.pattern:
             raise ConfigError('model.pattern is empty; use e.g. "S" (all softmax) or "IIIS"')
-        from megahybrid.model.specs import mixer_for
+        from megahybrid.model.mixers import mixer_for
 
         for char in dict.fromkeys(self.pattern):
             mixer_for(char)
@@ -105,7 +127,23 @@ class ModelConfig:
         unknown = sorted(set(overrides) - known)
         if unknown:
             raise ConfigError(f"unknown model field(s) {unknown}; known fields: {sorted(known)}")
+        for name, cls in OPTION_SECTIONS.items():
+            if name in overrides:
+                overrides[name] = _options(name, cls, getattr(self, name), overrides[name])
         return dataclasses.replace(self, **overrides)
+
+
+def _options(name: str, cls, current, value):
+    """A family's options from a mapping of overrides on top of `current` (or an instance given directly)."""
+    if isinstance(value, cls):
+        return value
+    if not isinstance(value, dict):
+        raise ConfigError(f"model.{name} must be a mapping of fields, e.g. model.{name}.{dataclasses.fields(cls)[0].name}=...")
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(value) - known)
+    if unknown:
+        raise ConfigError(f"unknown model.{name} field(s) {unknown}; known: {sorted(known)}")
+    return dataclasses.replace(current, **value)
 
 
 # Llama proportions; parameter counts (vocab 32000, untied) are in docs and checked by tests/test_model.py.
@@ -125,10 +163,11 @@ def preset(name: str, **overrides) -> ModelConfig:
 
 
 def count_parameters(cfg: ModelConfig) -> int:
-    """Analytic parameter count of the softmax model (norm weights included), independent of parallelism."""
-    d, hd = cfg.hidden_size, cfg.head_dim
-    attn = d * (cfg.num_heads + 2 * cfg.kv_heads) * hd + cfg.num_heads * hd * d
-    mlp = 3 * d * cfg.ffn_size
-    per_layer = attn + mlp + 2 * d
+    """Analytic parameter count (norm weights included), independent of parallelism: each layer's mixer from its
+    record (megahybrid.model.mixers), plus the SwiGLU MLP, two norms per layer, embeddings and the final norm."""
+    from megahybrid.model.mixers import mixer_params
+
+    d = cfg.hidden_size
+    per_layer_rest = 3 * d * cfg.ffn_size + 2 * d
     embeddings = cfg.vocab_size * d * (1 if cfg.tie_embeddings else 2)
-    return cfg.num_layers * per_layer + embeddings + d
+    return mixer_params(cfg) + cfg.num_layers * per_layer_rest + embeddings + d

@@ -8,9 +8,9 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer import TransformerConfig
 
 from megahybrid.distributed import device
-from megahybrid.errors import LayoutError
 from megahybrid.model.config import ModelConfig
-from megahybrid.model.specs import block_spec, max_chunk_size
+from megahybrid.model.mixers import check_context_parallel, max_chunk_size
+from megahybrid.model.specs import block_spec
 from megahybrid.parallel import ParallelLayout
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -65,22 +65,34 @@ def recompute_fields(cfg: ModelConfig) -> dict:
 def build_model(cfg: ModelConfig, layout: ParallelLayout, precision: str = "fp32") -> GPTModel:
     """The decoder for this rank's shard, on the current device. forward(tokens, labels) -> per-token loss [b, s]."""
     layout.check_model(cfg.num_heads, cfg.kv_heads, cfg.seq_length, max_chunk_size(cfg.pattern))
-    if layout.cp > 1 and "S" in cfg.pattern:
-        raise LayoutError("context parallelism for softmax layers is not available yet; set parallel.cp=1")
+    check_context_parallel(cfg.pattern, layout.cp)
     model = GPTModel(
         config=transformer_config(cfg, layout, precision),
-        transformer_layer_spec=block_spec(cfg.layer_pattern),
+        transformer_layer_spec=block_spec(cfg),
         vocab_size=cfg.vocab_size,
         max_sequence_length=cfg.seq_length,
         share_embeddings_and_output_weights=cfg.tie_embeddings,
         position_embedding_type="rope",
         rotary_base=int(cfg.rope_base),
     )
+    if layout.cp > 1:
+        from megahybrid.distributed import context_parallel_group
+        from megahybrid.model.cp import ContiguousShardRotary
+
+        model.rotary_pos_emb = ContiguousShardRotary(model.rotary_pos_emb, context_parallel_group().rank(), layout.cp)
     return model.to(device())
 
 
-def lm_loss(model: GPTModel, tokens: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross entropy over unmasked tokens of this rank's micro-batch."""
+def lm_loss(model: GPTModel, tokens: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor,
+            cp_group=None) -> torch.Tensor:
+    """Mean next-token cross entropy over unmasked tokens of this rank's micro-batch. Under context parallelism
+    (this rank holds one shard of each sequence) the sum of the shard is divided by the count of the whole
+    sequences and multiplied by cp, so the gradient average over the CP ranks is the sequence mean."""
     per_token = model(input_ids=tokens, position_ids=None, attention_mask=None, labels=labels)
     mask = loss_mask.to(per_token.dtype)
-    return (per_token.float() * mask).sum() / mask.sum().clamp(min=1)
+    count = mask.sum()
+    cp = 1 if cp_group is None else torch.distributed.get_world_size(cp_group)
+    if cp > 1:
+        count = count.detach().clone()
+        torch.distributed.all_reduce(count, group=cp_group)
+    return (per_token.float() * mask).sum() / count.clamp(min=1) * cp

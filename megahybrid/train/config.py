@@ -279,11 +279,10 @@ def validate(cfg: RunConfig, world_size: int, has_gpu: bool, check_data: bool = 
     model = preset(cfg.model.preset, **cfg.model.overrides)
     p = cfg.parallel
     layout = ParallelLayout.for_world(world_size, tp=p.tp, cp=p.cp, sequence_parallel=p.sequence_parallel)
-    from megahybrid.model.specs import max_chunk_size
+    from megahybrid.model.mixers import check_context_parallel, max_chunk_size
 
     layout.check_model(model.num_heads, model.kv_heads, model.seq_length, max_chunk_size(model.pattern))
-    if layout.cp > 1 and "S" in model.pattern:
-        raise ConfigError("parallel.cp > 1: context parallelism for softmax layers is not available yet; set parallel.cp=1")
+    check_context_parallel(model.pattern, layout.cp)
     _check_numbers(cfg)
     _check_batch(cfg, layout)
     precision = resolved_precision(cfg, has_gpu)

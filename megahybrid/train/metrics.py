@@ -1,10 +1,10 @@
 """Monitoring: FLOP and MFU accounting, per-layer scalars from mixers, TensorBoard + console + JSONL logging.
 
 Model FLOPs per token of one training step (forward + backward = 3 x forward, no recomputation counted):
-    forward = 2 * P_matmul + 2 * L_attn * seq_length * (num_heads * head_dim)
-P_matmul counts every weight used in a matmul: attention q/k/v/o, SwiGLU fc1/fc2 and the LM head (the input
-embedding is a lookup, not a matmul). The second term is QK^T and AV (2 matmuls x 2 FLOPs per MAC) over the
-causal half of the s x s score matrix, summed over softmax layers. MFU = achieved TFLOP/s per GPU / peak.
+    forward = sum over layers of the mixer's forward FLOPs (its record in megahybrid.model.mixers: 2 per matmul
+              weight plus the token-mixing core, e.g. QK^T and AV over the causal half for softmax)
+            + 2 * (SwiGLU fc1/fc2 weights per layer x layers + LM head weights)
+The input embedding is a lookup, not a matmul. MFU = achieved TFLOP/s per GPU / peak.
 """
 import json
 import math
@@ -19,13 +19,11 @@ from megahybrid.model.config import ModelConfig
 
 def flops_per_token(cfg: ModelConfig) -> float:
     """Training FLOPs per token (forward + backward) by the formula in the module docstring."""
-    d, hd = cfg.hidden_size, cfg.head_dim
-    attn = d * (cfg.num_heads + 2 * cfg.kv_heads) * hd + cfg.num_heads * hd * d
-    mlp = 3 * d * cfg.ffn_size
-    matmul_params = cfg.num_layers * (attn + mlp) + cfg.vocab_size * d
-    softmax_layers = cfg.layer_pattern.count("S")
-    attention = 2 * softmax_layers * cfg.seq_length * cfg.num_heads * hd
-    return 3.0 * (2.0 * matmul_params + attention)
+    from megahybrid.model.mixers import mixer_flops
+
+    d = cfg.hidden_size
+    dense = 2.0 * (cfg.num_layers * 3 * d * cfg.ffn_size + cfg.vocab_size * d)
+    return 3.0 * (mixer_flops(cfg) + dense)
 
 
 def model_metrics(model: torch.nn.Module) -> dict[str, float]:

@@ -206,9 +206,12 @@ class Trainer:
                 "stop": stop > 0, "grad_norm": float("nan") if norm is None else norm}
 
     def _loss(self, batch: dict) -> torch.Tensor:
+        from megahybrid.model.cp import shard_batch
         from megahybrid.model.gpt import lm_loss
 
-        return lm_loss(self.engine, batch["tokens"], batch["labels"], batch["loss_mask"])
+        batch = shard_batch(batch, self.groups.cp_rank, self.groups.layout.cp)
+        cp_group = self.groups.cp_group if self.groups.layout.cp > 1 else None
+        return lm_loss(self.engine, batch["tokens"], batch["labels"], batch["loss_mask"], cp_group)
 
     @torch.no_grad()
     def evaluate(self) -> dict | None:
@@ -254,7 +257,8 @@ class Trainer:
             f"# derived: world_size={self.plan.world_size} tp={lay.tp} cp={lay.cp} dp={lay.dp} "
             f"grad_accumulation={self.gas} precision={self.plan.precision} zero_stage={zero_stage(self.ds_config)} "
             f"params={self.num_params / 1e6:.2f}M flops_per_token={self.flops_per_token:.3e} "
-            f"compile={self.compiled} device={self.engine.device}"
+            f"compile={self.compiled} device={self.engine.device} "
+            f"{_state_line(self.plan.model, lay.cp, self.plan.precision)}"
         )
         text = self.cfg.to_yaml() + derived
         print("resolved config:\n" + text, flush=True)
@@ -313,14 +317,26 @@ class Trainer:
                   file=sys.stderr, flush=True)
         else:
             print(f"training finished at step {self.step}: checkpoint {path}", flush=True)
-        python = shlex.quote(sys.executable)
-        launch = f"{python} -m megahybrid" if self.plan.world_size == 1 else (
-            f"{python} -m torch.distributed.run --nproc_per_node {self.plan.world_size} -m megahybrid")
+        python, world = shlex.quote(sys.executable), self.plan.world_size
+        ranks = "" if world == 1 else f"--nproc-per-node {world} "
+        where = "" if world == 1 else "; on one node, else with your torchrun / srun / mpirun line"
         config = shlex.quote(os.path.join(self.cfg.run_dir, "config.yaml"))
-        print(f"resume: {launch} train --config {config} [train.steps=N to go further] (continues from "
-              f"{self.cfg.checkpoint_dir}/latest{'' if self.plan.world_size == 1 else '; or your srun / mpirun line'})"
-              f"\ntensorboard: {python} -m tensorboard.main --logdir {shlex.quote(self.cfg.tensorboard_dir)}",
-              flush=True)
+        print(f"resume: {python} -m megahybrid train {ranks}--config {config} [train.steps=N to go further] "
+              f"(continues from {self.cfg.checkpoint_dir}/latest{where})\n"
+              f"tensorboard: {python} -m tensorboard.main --logdir {shlex.quote(self.cfg.tensorboard_dir)}", flush=True)
+
+
+def _state_line(model_cfg, cp: int, precision: str) -> str:
+    """Decode-state floats per sequence and layer of each mixer kind at the training context, and under context
+    parallelism the bytes each CP rank sends per layer and sequence in a training step."""
+    from megahybrid.model.mixers import cp_bytes_per_layer, state_floats
+
+    per_mixer = ",".join(f"{c}:{n}" for c, n in state_floats(model_cfg, model_cfg.seq_length).items())
+    line = f"state_floats_per_layer@{model_cfg.seq_length}={per_mixer}"
+    if cp > 1:
+        sent = cp_bytes_per_layer(model_cfg, cp, 2 if precision == "bf16" else 4)
+        line += " cp_bytes_sent_per_layer_per_sequence=" + ",".join(f"{c}:{n}" for c, n in sent.items())
+    return line
 
 
 def _quiet_deepspeed() -> None:

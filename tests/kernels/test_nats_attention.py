@@ -22,10 +22,11 @@ TOL_FP32 = 1e-5
 TOL_BF16 = 2e-2
 
 
-def make_inputs(B, T, H, D, C=64, p_keep=0.5, dtype=torch.float32, device=None, seed=0):
+def make_inputs(B, T, H, D, C=64, p_keep=0.5, dtype=torch.float32, device=None, seed=0, Dv=None):
     device = device or test_device()
     g = torch.Generator().manual_seed(seed)
-    q, k, v, do = (torch.randn(B, T, H, D, generator=g).to(device, dtype) for _ in range(4))
+    dims = (D, D, Dv or D, Dv or D)
+    q, k, v, do = (torch.randn(B, T, H, d, generator=g).to(device, dtype) for d in dims)
     keep = (torch.rand(B, H, math.ceil(T / C), generator=g) < p_keep).float().to(device)
     return q, k, v, keep, do
 
@@ -65,6 +66,33 @@ def test_program_shapes(G, KB, nan_empty, monkeypatch):
     monkeypatch.setattr(attention_chunk, "GPU_CONFIG", gpu_cfg)
     q, k, v, keep, do = make_inputs(1, 640, 2, 16, C=32, seed=10 + G)
     check_against_naive(q, k, v, keep, do, TOL_FP32, chunk_size=32)
+
+
+@pytest.mark.parametrize("T,C,Dk,Dv", [(100, 64, 16, 32), (200, 32, 24, 8), (130, 64, 64, 128)])
+def test_value_head_dim_differs(T, C, Dk, Dv, nan_empty, monkeypatch):
+    """NAtS-L's attention view: d_qk = 64, d_v = 128; also Dv < Dk, a padded Dk and kept-chunk groups (KB = 2)."""
+    q, k, v, keep, do = make_inputs(1, T, 2, Dk, C=C, seed=T + Dv, Dv=Dv)
+    keep[..., 0] = 1
+    grads_ref = check_against_naive(q, k, v, keep, do, TOL_FP32, chunk_size=C)
+    assert grads_ref[3].abs().sum() > 0
+    o, lse = chunk_selected_attention_fwd(q, k, v, keep, Dk**-0.5, C)
+    o_c, lse_c = chunk_selected_attention_fwd(q, k, v, keep, Dk**-0.5, C, compact=True)
+    assert o.shape == (1, T, 2, Dv)
+    assert_close(o_c, o, TOL_FP32, "o (compacted)")
+
+
+def test_decode_steps_value_head_dim_differs():
+    B, T, H, Dk, Dv, C = 1, 90, 2, 8, 24, 16
+    q, k, v, keep, _ = make_inputs(B, T, H, Dk, C=C, seed=12, device="cpu", Dv=Dv)
+    expected = naive_chunk_selected_attention(q, k, v, keep, chunk_size=C)
+    cache = selected_attention_prefill(k[:, :20], v[:, :20], keep[..., :2], C)
+    outs = []
+    for t in range(20, T):
+        outs.append(selected_attention_step(q[:, t], k[:, t], v[:, t], cache))
+        if cache.chunk_full():
+            cache.commit(keep[:, :, t // C])
+    assert cache.v_kept.shape[-1] == Dv and cache.k_kept.shape[-1] == Dk
+    assert_close(torch.stack(outs, 1), expected[:, 20:], TOL_FP32, "o (decode)")
 
 
 def test_small_chunks_odd_head_dim(nan_empty):
@@ -168,10 +196,13 @@ def bad_inputs():
         ((q, k, v, keep.long()), {}, "float tensor"),
         ((q, k, v.double(), keep), {}, "share one float dtype"),
         ((q, k, v, keep), {"chunk_size": 48}, "chunk_size must be"),
+        ((q, k, v, keep * 0.5), {}, "keep must hold only 0 and 1"),
+        ((q, k, v, keep - 1), {}, "keep must hold only 0 and 1"),
+        ((q, k, v[..., :1].expand(1, 100, 2, 300), keep), {}, "head dims must be <= 256"),
     ]
 
 
-@pytest.mark.parametrize("case", range(6))
+@pytest.mark.parametrize("case", range(9))
 def test_bad_inputs(case):
     args, kw, msg = bad_inputs()[case]
     with pytest.raises(ValueError, match=msg):
@@ -205,3 +236,12 @@ def test_gpu_fp32_backward_matches_reference(nan_empty):
     q, k, v, keep, do = make_inputs(2, 777, 4, 64, p_keep=0.4, seed=9)
     check_against_naive(q, k, v, keep, do, TOL_FP32)
     check_against_naive(q, k, v, keep, do, TOL_FP32, grad_unselected=True)
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, TOL_FP32), (torch.bfloat16, TOL_BF16)])
+def test_gpu_value_head_dim_differs(dtype, tol, nan_empty):
+    """NAtS-L's attention view (d_qk = 64, d_v = 128) on the GPU kernels, every gradient."""
+    q, k, v, keep, do = make_inputs(2, 1000, 4, 64, p_keep=0.3, dtype=dtype, seed=21, Dv=128)
+    check_against_naive(q, k, v, keep, do, tol)

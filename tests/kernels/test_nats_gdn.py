@@ -1,14 +1,20 @@
 """Chunk-selected Gated DeltaNet: Triton kernels vs the fp32 naive definition (CPU: interpreter, fp32)."""
+import json
 import math
+import os
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from kernels.nats import chunk_selected_gdn, chunk_selected_gdn_step
+from kernels.nats.gdn import chunk as gdn_chunk
 from kernels.nats.gdn import naive_chunk_selected_gdn
-from tests.utils import HAS_CUDA, assert_close, rel_rms_error, requires_gpu, test_device
+from tests.utils import HAS_CUDA, assert_close, nan_poisoned_empty, rel_rms_error, requires_gpu, test_device
 
 DEV = test_device()
 # fp32 on a GPU runs tl.dot in tf32; in the interpreter it is exact fp32
@@ -39,7 +45,8 @@ def run_op(fn, inputs, do, dht, **kw):
     return o, ht, [x.grad for x in xs]
 
 
-def compare(inputs, tol, grad_tol=None, **kw):
+def errors_vs_naive(inputs, **kw):
+    """Relative RMS errors of the op's output, final state and every gradient against the fp32 naive reference."""
     B, T, H, K = inputs[0].shape
     gen = torch.Generator().manual_seed(1)
     do = torch.randn(B, T, H, inputs[2].shape[-1], generator=gen).to(inputs[0].device)
@@ -49,6 +56,11 @@ def compare(inputs, tol, grad_tol=None, **kw):
     ro, rht, rgrads = run_op(naive_chunk_selected_gdn, ref_inputs, do, dht, **kw)
     errors = {"o": rel_rms_error(o, ro), "ht": rel_rms_error(ht, rht)}
     errors.update({f"d{n}": rel_rms_error(a, b) for n, a, b in zip(NAMES, grads, rgrads)})
+    return errors, (o, ht, grads), (ro, rht, rgrads)
+
+
+def compare(inputs, tol, grad_tol=None, **kw):
+    errors, (o, ht, grads), (ro, rht, rgrads) = errors_vs_naive(inputs, **kw)
     print(" ".join(f"{n}={e:.2e}" for n, e in errors.items()))
     assert_close(o, ro, tol, "o")
     assert_close(ht, rht, tol, "final state")
@@ -65,6 +77,18 @@ def test_kernels_match_naive(T, decay_dropped, nan_empty):
 
 def test_odd_head_sizes_and_batch(nan_empty):
     compare(make_inputs(2, 100, 2, 40, 48, seed=3), FP32_TOL)
+
+
+@pytest.mark.parametrize("K,V", [(64, 16), (192, 24)])
+def test_head_dims_64_and_192(K, V, nan_empty):
+    """The head sizes of issue 14 (K = 64 faulted on the GPU; K = 192 is the 760M preset), a partial chunk."""
+    compare(make_inputs(1, 70, 1, K, V, seed=K), FP32_TOL, decay_dropped=K == 64)
+
+
+def test_gpu_state_tile_padding_in_interpreter(nan_empty, monkeypatch):
+    """The GPU's state tile for K = 64 (128 rows, the upper half masked) gives the same result."""
+    monkeypatch.setattr(gdn_chunk, "_state_bk", lambda K, device: max(128, gdn_chunk._pow2(K)))
+    compare(make_inputs(1, 70, 1, 64, 16, seed=13), FP32_TOL)
 
 
 def test_dkeep_for_dropped_chunks_option(nan_empty):
@@ -155,15 +179,22 @@ BAD = [
     ("k", lambda x: x[..., :-1], "q and k must both be [B, T, H, K]"),
     ("h0", lambda x: x[..., :-1], "initial_state must be [B, H, K, V]"),
     ("q", lambda x: x.double(), "q, k, v must share one float dtype"),
+    ("keep", lambda x: x * 0.5, "keep must hold only 0 and 1"),
+    ("keep", lambda x: x + 1, "keep must hold only 0 and 1"),
+    ("g", lambda x: x.abs() + 0.1, "g must be <= 0"),
 ]
 
 
-@pytest.mark.parametrize("name,mutate,message", BAD, ids=[b[0] + "-" + b[2][:12] for b in BAD])
-def test_bad_inputs(name, mutate, message):
-    inputs = dict(zip(NAMES, make_inputs(1, 70, 2, 16, 16)))
+@pytest.mark.parametrize("interpret", ["1", "0"])
+@pytest.mark.parametrize("name,mutate,message", BAD, ids=[f"{i}-{b[0]}" for i, b in enumerate(BAD)])
+def test_bad_inputs(name, mutate, message, interpret, monkeypatch):
+    """Refused with one line on either CPU path (Triton interpreter, torch)."""
+    monkeypatch.setenv("TRITON_INTERPRET", interpret)
+    inputs = dict(zip(NAMES, make_inputs(1, 70, 2, 16, 16, device="cpu")))
     inputs[name] = mutate(inputs[name])
-    with pytest.raises(ValueError, match=re.escape(message)):
+    with pytest.raises(ValueError, match=re.escape(message)) as info:
         chunk_selected_gdn(*[inputs[n] for n in NAMES[:6]], initial_state=inputs["h0"])
+    assert "\n" not in str(info.value)
 
 
 def test_bad_chunk_size_and_step_inputs():
@@ -198,3 +229,59 @@ def test_gpu_keep_all_equals_fla_forward():
     fo, fht = fla_chunk.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True)
     assert_close(o, fo, 1e-2, "o vs fla")
     assert_close(ht, fht, 1e-2, "final state vs fla")
+
+
+# Issue 14's grid: every K and V the layers use, fp32 (tf32 products) and bf16, T not a multiple of 64. Each
+# (K, V, dtype) runs in its own process so that a fault (which poisons the CUDA context) fails only its own case.
+GRID_TOL = {"float32": (1e-2, 1e-2), "bfloat16": (2e-2, 5e-2)}
+
+
+def grid_errors(K, V, dtype, Ts, B=2, H=2):
+    """{T: errors vs the fp32 naive reference} for one head shape, or {T: "refused: ..."} for a ValueError."""
+    out = {}
+    for T in Ts:
+        inputs = make_inputs(B, T, H, K, V, dtype=getattr(torch, dtype), seed=T + K + V)
+        try:
+            with nan_poisoned_empty():
+                # both rollback rules and both dkeep options across the two short lengths
+                out[T] = errors_vs_naive(inputs, decay_dropped=T < 200, dkeep_dropped=T >= 200)[0]
+        except ValueError as e:
+            out[T] = f"refused: {e}"
+    return out
+
+
+def run_grid_case(K, V, dtype, Ts, B=2, H=2):
+    code = (f"import json; from tests.kernels.test_nats_gdn import grid_errors; "
+            f"print('GRID', json.dumps(grid_errors({K}, {V}, {dtype!r}, {list(Ts)}, {B}, {H})))")
+    root = str(Path(__file__).resolve().parents[2])
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+    proc = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True,
+                          timeout=270)
+    assert proc.returncode == 0, f"K={K} V={V} {dtype} failed (rc {proc.returncode}):\n{proc.stderr[-3000:]}"
+    result = json.loads(proc.stdout.split("GRID ", 1)[1])
+    tol, grad_tol = GRID_TOL[dtype]
+    for T, errors in result.items():
+        print(f"K={K} V={V} {dtype} T={T}: {errors}")
+        if isinstance(errors, str):
+            # the only shapes allowed to be refused: fp32 tiles of the largest heads may not fit shared memory
+            assert dtype == "float32" and K >= 192 and "does not fit this GPU" in errors, errors
+            continue
+        for name, err in errors.items():
+            assert err <= (tol if name in ("o", "ht") else grad_tol), f"K={K} V={V} {dtype} T={T} {name}: {err:.3e}"
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("V", [64, 128, 256, 384])
+@pytest.mark.parametrize("K", [64, 128, 192, 256])
+def test_gpu_head_size_grid(K, V, dtype):
+    run_grid_case(K, V, dtype, [100, 300])
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_gpu_long_sequence_k64(dtype):
+    """Issue 14's second failing shape class: K = 64, V = 128 at T = 4096."""
+    run_grid_case(64, 128, dtype, [4096], B=1, H=2)

@@ -6,11 +6,13 @@ backward recomputes P from the saved log-sum-exp and accumulates the keep gradie
 a kept chunk's keys seen from later chunks, in the same pass that builds dK and dV.
 """
 import math
-import os
 
 import torch
 import triton
 import triton.language as tl
+
+from kernels.nats.attention.torch_chunk import torch_chunk_selected_attention
+from kernels.nats.checks import check_keep_values, use_torch_path
 
 LOG2E = 1.4426950408889634
 
@@ -74,21 +76,22 @@ def _far_rows(far_idx, j, n, BT: tl.constexpr, KB: tl.constexpr, MASKED: tl.cons
 
 
 @triton.jit
-def _fwd_far_step(j, n, b_q, b_m, b_l, b_o, k, v, far_idx, stride_t, qk_scale, D: tl.constexpr, BD: tl.constexpr,
-                  BT: tl.constexpr, KB: tl.constexpr, PREC: tl.constexpr, MASKED: tl.constexpr):
+def _fwd_far_step(j, n, b_q, b_m, b_l, b_o, k, v, far_idx, stride_k, stride_v, qk_scale, DK: tl.constexpr,
+                  BDK: tl.constexpr, DV: tl.constexpr, BDV: tl.constexpr, BT: tl.constexpr, KB: tl.constexpr,
+                  PREC: tl.constexpr, MASKED: tl.constexpr):
     # KB kept chunks before the program's first query chunk: all of their keys are visible.
     rows, valid = _far_rows(far_idx, j, n, BT, KB, MASKED)
-    b_kt = _load_tile(k, rows, valid, stride_t, D, BD, True, MASKED)
-    b_v = _load_tile(v, rows, valid, stride_t, D, BD, False, MASKED)
+    b_kt = _load_tile(k, rows, valid, stride_k, DK, BDK, True, MASKED)
+    b_v = _load_tile(v, rows, valid, stride_v, DV, BDV, False, MASKED)
     return _softmax_step(b_q, b_kt, b_v, b_m, b_l, b_o, qk_scale, valid[None, :], PREC, MASKED)
 
 
 @triton.jit
 def _fwd_kernel(
     q, k_far, v_far, k, v, o, lse, keep, far_idx, n_far, qk_scale,
-    T, NC, s_fb, s_fh, s_ft,
-    H: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BT: tl.constexpr, G: tl.constexpr, KB: tl.constexpr,
-    PREC: tl.constexpr, INTERPRET: tl.constexpr,
+    T, NC, s_fb, s_fh, s_ft, s_vb, s_vh, s_vt,
+    H: tl.constexpr, DK: tl.constexpr, BDK: tl.constexpr, DV: tl.constexpr, BDV: tl.constexpr, BT: tl.constexpr,
+    G: tl.constexpr, KB: tl.constexpr, PREC: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     # One program = G consecutive query chunks of one (b, h), heaviest (latest) programs launched first. Keys come
     # from `k_far` (kept chunks before the program's chunks, rows far_idx[j] * BT ...), then from the program's own
@@ -100,51 +103,52 @@ def _fwd_kernel(
     BM: tl.constexpr = G * BT
     o_t = i_m * BM + tl.arange(0, BM)
     m_t = o_t < T
-    base = (i_b * T * H + i_h) * D
-    b_q = _load_tile(q + base, o_t, m_t, H * D, D, BD, False, True)
+    base, base_v = (i_b * T * H + i_h) * DK, (i_b * T * H + i_h) * DV
+    b_q = _load_tile(q + base, o_t, m_t, H * DK, DK, BDK, False, True)
     b_m = tl.full([BM], float("-inf"), dtype=tl.float32)
     b_l = tl.zeros([BM], dtype=tl.float32)
-    b_o = tl.zeros([BM, BD], dtype=tl.float32)
-    far, far_v = k_far + i_b * s_fb + i_h * s_fh, v_far + i_b * s_fb + i_h * s_fh
+    b_o = tl.zeros([BM, BDV], dtype=tl.float32)
+    far, far_v = k_far + i_b * s_fb + i_h * s_fh, v_far + i_b * s_vb + i_h * s_vh
     keep += i_bh * NC
     far_idx += i_bh * NC
     n = tl.load(n_far + i_bh * NC + i_m * G)
     if INTERPRET:
         j = 0
         while j < n // KB:
-            b_m, b_l, b_o = _fwd_far_step(j, n, b_q, b_m, b_l, b_o, far, far_v, far_idx, s_ft, qk_scale, D, BD, BT, KB,
-                                          PREC, False)
+            b_m, b_l, b_o = _fwd_far_step(j, n, b_q, b_m, b_l, b_o, far, far_v, far_idx, s_ft, s_vt, qk_scale, DK, BDK,
+                                          DV, BDV, BT, KB, PREC, False)
             j += 1
     else:
         for j in range(n // KB):
-            b_m, b_l, b_o = _fwd_far_step(j, n, b_q, b_m, b_l, b_o, far, far_v, far_idx, s_ft, qk_scale, D, BD, BT, KB,
-                                          PREC, False)
+            b_m, b_l, b_o = _fwd_far_step(j, n, b_q, b_m, b_l, b_o, far, far_v, far_idx, s_ft, s_vt, qk_scale, DK, BDK,
+                                          DV, BDV, BT, KB, PREC, False)
     if n % KB != 0:
-        b_m, b_l, b_o = _fwd_far_step(n // KB, n, b_q, b_m, b_l, b_o, far, far_v, far_idx, s_ft, qk_scale, D, BD, BT,
-                                      KB, PREC, True)
+        b_m, b_l, b_o = _fwd_far_step(n // KB, n, b_q, b_m, b_l, b_o, far, far_v, far_idx, s_ft, s_vt, qk_scale, DK,
+                                      BDK, DV, BDV, BT, KB, PREC, True)
     for g in tl.static_range(G):
         c = i_m * G + g
         o_s = c * BT + tl.arange(0, BT)
         kept_c = (tl.load(keep + c, mask=c < NC, other=0.0) == 1).to(tl.int32)
-        b_kt = _load_tile(k + base, o_s, o_s < T, H * D, D, BD, True, True)
-        b_v = _load_tile(v + base, o_s, o_s < T, H * D, D, BD, False, True)
+        b_kt = _load_tile(k + base, o_s, o_s < T, H * DK, DK, BDK, True, True)
+        b_v = _load_tile(v + base_v, o_s, o_s < T, H * DV, DV, BDV, False, True)
         b_mask = _near_mask(o_t, c, kept_c, T, BT)
         b_m, b_l, b_o = _softmax_step(b_q, b_kt, b_v, b_m, b_l, b_o, qk_scale, b_mask, PREC, True)
     b_l = tl.where(m_t, b_l, 1.0)  # padding rows past T saw no key
     b_o = b_o / b_l[:, None]
-    o_d = tl.arange(0, BD)
-    tl.store(o + base + o_t[:, None] * (H * D) + o_d[None, :], b_o.to(o.dtype.element_ty),
-             mask=m_t[:, None] & (o_d[None, :] < D))
+    o_d = tl.arange(0, BDV)
+    tl.store(o + base_v + o_t[:, None] * (H * DV) + o_d[None, :], b_o.to(o.dtype.element_ty),
+             mask=m_t[:, None] & (o_d[None, :] < DV))
     tl.store(lse + i_bh * T + o_t, b_m + tl.log2(b_l), mask=m_t)
 
 
 @triton.jit
-def _dkdv_step(b_k, b_v, q, do, lse, delta, o_q, T, stride_t, qk_scale, b_mask,
-               D: tl.constexpr, BD: tl.constexpr, PREC: tl.constexpr, MASK_ROWS: tl.constexpr):
+def _dkdv_step(b_k, b_v, q, do, lse, delta, o_q, T, stride_k, stride_v, qk_scale, b_mask,
+               DK: tl.constexpr, BDK: tl.constexpr, DV: tl.constexpr, BDV: tl.constexpr, PREC: tl.constexpr,
+               MASK_ROWS: tl.constexpr):
     # Key chunk against one query chunk, transposed: S^T = K Q^T, P^T, dS^T = P^T (dP^T - Delta).
     m_q = o_q < T
-    b_qt = _load_tile(q, o_q, m_q, stride_t, D, BD, True, MASK_ROWS)
-    b_do = _load_tile(do, o_q, m_q, stride_t, D, BD, False, MASK_ROWS)
+    b_qt = _load_tile(q, o_q, m_q, stride_k, DK, BDK, True, MASK_ROWS)
+    b_do = _load_tile(do, o_q, m_q, stride_v, DV, BDV, False, MASK_ROWS)
     if MASK_ROWS:
         b_lse = tl.load(lse + o_q, mask=m_q, other=0.0)
         b_delta = tl.load(delta + o_q, mask=m_q, other=0.0)
@@ -161,14 +165,14 @@ def _dkdv_step(b_k, b_v, q, do, lse, delta, o_q, T, stride_t, qk_scale, b_mask,
 
 
 @triton.jit
-def _dkdv_later_step(i_q, b_k, b_v, b_dk, b_dv, b_dkeep, b_w, q, do, lse, delta, T, stride_t, qk_scale,
-                     D: tl.constexpr, BD: tl.constexpr, BT: tl.constexpr, PREC: tl.constexpr,
-                     GRAD_UNSELECTED: tl.constexpr, MASK_ROWS: tl.constexpr):
+def _dkdv_later_step(i_q, b_k, b_v, b_dk, b_dv, b_dkeep, b_w, q, do, lse, delta, T, stride_k, stride_v, qk_scale,
+                     DK: tl.constexpr, BDK: tl.constexpr, DV: tl.constexpr, BDV: tl.constexpr, BT: tl.constexpr,
+                     PREC: tl.constexpr, GRAD_UNSELECTED: tl.constexpr, MASK_ROWS: tl.constexpr):
     # Query chunk i_q after the key chunk: no causal mask (MASK_ROWS only for the partial last chunk); its dS
     # feeds the keep gradient. With GRAD_UNSELECTED an unselected chunk (b_w = 0) is visited for that only.
     o_q = i_q * BT + tl.arange(0, BT)
-    b_pt, b_dst, b_qt, b_do = _dkdv_step(b_k, b_v, q, do, lse, delta, o_q, T, stride_t, qk_scale,
-                                         tl.full([BT, BT], 1, dtype=tl.int1), D, BD, PREC, MASK_ROWS)
+    b_pt, b_dst, b_qt, b_do = _dkdv_step(b_k, b_v, q, do, lse, delta, o_q, T, stride_k, stride_v, qk_scale,
+                                         tl.full([BT, BT], 1, dtype=tl.int1), DK, BDK, DV, BDV, PREC, MASK_ROWS)
     b_dkeep += tl.sum(b_dst, 1)
     if GRAD_UNSELECTED:
         b_pt, b_dst = b_pt * b_w, b_dst * b_w
@@ -181,23 +185,23 @@ def _dkdv_later_step(i_q, b_k, b_v, b_dk, b_dv, b_dkeep, b_w, q, do, lse, delta,
 def _bwd_dkdv_kernel(
     q, k, v, do, lse, delta, keep, dk, dv, dkeep, qk_scale, scale,
     T, NC,
-    H: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BT: tl.constexpr, PREC: tl.constexpr,
-    GRAD_UNSELECTED: tl.constexpr, INTERPRET: tl.constexpr,
+    H: tl.constexpr, DK: tl.constexpr, BDK: tl.constexpr, DV: tl.constexpr, BDV: tl.constexpr, BT: tl.constexpr,
+    PREC: tl.constexpr, GRAD_UNSELECTED: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     # Program c: dK, dV of key chunk c from its own query chunk (causal) and, when c is kept, from every later
     # query chunk, whose Σ dS is the keep gradient. Transposed operands come from transposed loads; tl.trans is
     # applied to loaded tiles only, never to a tl.dot result (Triton 3.6 on Hopper miscompiles that).
     i_c, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = (i_bh // H).to(tl.int64), (i_bh % H).to(tl.int64)
-    base = (i_b * T * H + i_h) * D
-    q, k, v, do, dk, dv = q + base, k + base, v + base, do + base, dk + base, dv + base
+    base, base_v = (i_b * T * H + i_h) * DK, (i_b * T * H + i_h) * DV
+    q, k, v, do, dk, dv = q + base, k + base, v + base_v, do + base_v, dk + base, dv + base_v
     lse, delta = lse + i_bh * T, delta + i_bh * T
     o_c = i_c * BT + tl.arange(0, BT)
     m_c = o_c < T
-    b_k = _load_tile(k, o_c, m_c, H * D, D, BD, False, True)
-    b_v = _load_tile(v, o_c, m_c, H * D, D, BD, False, True)
-    b_pt, b_dst, b_qt, b_do = _dkdv_step(b_k, b_v, q, do, lse, delta, o_c, T, H * D, qk_scale,
-                                         o_c[None, :] >= o_c[:, None], D, BD, PREC, True)
+    b_k = _load_tile(k, o_c, m_c, H * DK, DK, BDK, False, True)
+    b_v = _load_tile(v, o_c, m_c, H * DV, DV, BDV, False, True)
+    b_pt, b_dst, b_qt, b_do = _dkdv_step(b_k, b_v, q, do, lse, delta, o_c, T, H * DK, H * DV, qk_scale,
+                                         o_c[None, :] >= o_c[:, None], DK, BDK, DV, BDV, PREC, True)
     b_dv = tl.dot(b_pt.to(b_do.dtype), b_do, input_precision=PREC)
     b_dk = tl.dot(b_dst.to(b_qt.dtype), tl.trans(b_qt), input_precision=PREC)
     kept = tl.load(keep + i_bh * NC + i_c) == 1
@@ -212,19 +216,23 @@ def _bwd_dkdv_kernel(
         i = 0
         while i < n_later - 1:
             b_dk, b_dv, b_dkeep = _dkdv_later_step(i_c + 1 + i, b_k, b_v, b_dk, b_dv, b_dkeep, b_w, q, do, lse, delta,
-                                                   T, H * D, qk_scale, D, BD, BT, PREC, GRAD_UNSELECTED, False)
+                                                   T, H * DK, H * DV, qk_scale, DK, BDK, DV, BDV, BT, PREC,
+                                                   GRAD_UNSELECTED, False)
             i += 1
     else:
         for i in range(n_later - 1):
             b_dk, b_dv, b_dkeep = _dkdv_later_step(i_c + 1 + i, b_k, b_v, b_dk, b_dv, b_dkeep, b_w, q, do, lse, delta,
-                                                   T, H * D, qk_scale, D, BD, BT, PREC, GRAD_UNSELECTED, False)
+                                                   T, H * DK, H * DV, qk_scale, DK, BDK, DV, BDV, BT, PREC,
+                                                   GRAD_UNSELECTED, False)
     if n_later > 0:
         b_dk, b_dv, b_dkeep = _dkdv_later_step(NC - 1, b_k, b_v, b_dk, b_dv, b_dkeep, b_w, q, do, lse, delta,
-                                               T, H * D, qk_scale, D, BD, BT, PREC, GRAD_UNSELECTED, True)
-    o_d = tl.arange(0, BD)
-    m_cd = m_c[:, None] & (o_d[None, :] < D)
-    tl.store(dk + o_c[:, None] * (H * D) + o_d[None, :], (b_dk * scale).to(dk.dtype.element_ty), mask=m_cd)
-    tl.store(dv + o_c[:, None] * (H * D) + o_d[None, :], b_dv.to(dv.dtype.element_ty), mask=m_cd)
+                                               T, H * DK, H * DV, qk_scale, DK, BDK, DV, BDV, BT, PREC,
+                                               GRAD_UNSELECTED, True)
+    o_k, o_v = tl.arange(0, BDK), tl.arange(0, BDV)
+    tl.store(dk + o_c[:, None] * (H * DK) + o_k[None, :], (b_dk * scale).to(dk.dtype.element_ty),
+             mask=m_c[:, None] & (o_k[None, :] < DK))
+    tl.store(dv + o_c[:, None] * (H * DV) + o_v[None, :], b_dv.to(dv.dtype.element_ty),
+             mask=m_c[:, None] & (o_v[None, :] < DV))
     tl.store(dkeep + i_bh * NC + i_c, tl.sum(b_dkeep, 0))
 
 
@@ -239,11 +247,12 @@ def _dq_step(b_q, b_do, b_lse, b_delta, b_kt, b_vt, qk_scale, b_mask, PREC: tl.c
 
 
 @triton.jit
-def _dq_far_step(j, n, b_q, b_do, b_lse, b_delta, k, v, far_idx, stride_t, qk_scale, D: tl.constexpr,
-                 BD: tl.constexpr, BT: tl.constexpr, KB: tl.constexpr, PREC: tl.constexpr, MASKED: tl.constexpr):
+def _dq_far_step(j, n, b_q, b_do, b_lse, b_delta, k, v, far_idx, stride_k, stride_v, qk_scale, DK: tl.constexpr,
+                 BDK: tl.constexpr, DV: tl.constexpr, BDV: tl.constexpr, BT: tl.constexpr, KB: tl.constexpr,
+                 PREC: tl.constexpr, MASKED: tl.constexpr):
     rows, valid = _far_rows(far_idx, j, n, BT, KB, MASKED)
-    b_kt = _load_tile(k, rows, valid, stride_t, D, BD, True, MASKED)
-    b_vt = _load_tile(v, rows, valid, stride_t, D, BD, True, MASKED)
+    b_kt = _load_tile(k, rows, valid, stride_k, DK, BDK, True, MASKED)
+    b_vt = _load_tile(v, rows, valid, stride_v, DV, BDV, True, MASKED)
     return _dq_step(b_q, b_do, b_lse, b_delta, b_kt, b_vt, qk_scale, valid[None, :], PREC, MASKED)
 
 
@@ -251,51 +260,52 @@ def _dq_far_step(j, n, b_q, b_do, b_lse, b_delta, k, v, far_idx, stride_t, qk_sc
 def _bwd_dq_kernel(
     q, k, v, o, do, lse, delta, keep, far_idx, n_far, dq, qk_scale, scale,
     T, NC,
-    H: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BT: tl.constexpr, G: tl.constexpr, KB: tl.constexpr,
-    PREC: tl.constexpr, INTERPRET: tl.constexpr,
+    H: tl.constexpr, DK: tl.constexpr, BDK: tl.constexpr, DV: tl.constexpr, BDV: tl.constexpr, BT: tl.constexpr,
+    G: tl.constexpr, KB: tl.constexpr, PREC: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     # dQ of G consecutive query chunks, visiting the same keys as the forward (kept list, then own chunks).
     # Runs before the dK/dV kernel and stores Delta = rowsum(O * dO) for it.
     i_m, i_bh = tl.num_programs(0) - 1 - tl.program_id(0), tl.program_id(1)
     i_b, i_h = (i_bh // H).to(tl.int64), (i_bh % H).to(tl.int64)
-    base = (i_b * T * H + i_h) * D
-    q, k, v, do, dq = q + base, k + base, v + base, do + base, dq + base
+    base, base_v = (i_b * T * H + i_h) * DK, (i_b * T * H + i_h) * DV
+    q, k, v, o, do, dq = q + base, k + base, v + base_v, o + base_v, do + base_v, dq + base
     BM: tl.constexpr = G * BT
     o_t = i_m * BM + tl.arange(0, BM)
     m_t = o_t < T
-    b_q = _load_tile(q, o_t, m_t, H * D, D, BD, False, True)
-    b_do = _load_tile(do, o_t, m_t, H * D, D, BD, False, True)
+    b_q = _load_tile(q, o_t, m_t, H * DK, DK, BDK, False, True)
+    b_do = _load_tile(do, o_t, m_t, H * DV, DV, BDV, False, True)
     b_lse = tl.load(lse + i_bh * T + o_t, mask=m_t, other=0.0)
-    b_delta = tl.sum(_load_tile(o + base, o_t, m_t, H * D, D, BD, False, True).to(tl.float32) * b_do.to(tl.float32), 1)
+    b_o = _load_tile(o, o_t, m_t, H * DV, DV, BDV, False, True)
+    b_delta = tl.sum(b_o.to(tl.float32) * b_do.to(tl.float32), 1)
     tl.store(delta + i_bh * T + o_t, b_delta, mask=m_t)
-    b_dq = tl.zeros([BM, BD], dtype=tl.float32)
+    b_dq = tl.zeros([BM, BDK], dtype=tl.float32)
     keep += i_bh * NC
     far_idx += i_bh * NC
     n = tl.load(n_far + i_bh * NC + i_m * G)
     if INTERPRET:
         j = 0
         while j < n // KB:
-            b_dq += _dq_far_step(j, n, b_q, b_do, b_lse, b_delta, k, v, far_idx, H * D, qk_scale, D, BD, BT, KB, PREC,
-                                 False)
+            b_dq += _dq_far_step(j, n, b_q, b_do, b_lse, b_delta, k, v, far_idx, H * DK, H * DV, qk_scale, DK, BDK,
+                                 DV, BDV, BT, KB, PREC, False)
             j += 1
     else:
         for j in range(n // KB):
-            b_dq += _dq_far_step(j, n, b_q, b_do, b_lse, b_delta, k, v, far_idx, H * D, qk_scale, D, BD, BT, KB, PREC,
-                                 False)
+            b_dq += _dq_far_step(j, n, b_q, b_do, b_lse, b_delta, k, v, far_idx, H * DK, H * DV, qk_scale, DK, BDK,
+                                 DV, BDV, BT, KB, PREC, False)
     if n % KB != 0:
-        b_dq += _dq_far_step(n // KB, n, b_q, b_do, b_lse, b_delta, k, v, far_idx, H * D, qk_scale, D, BD, BT, KB, PREC,
-                             True)
+        b_dq += _dq_far_step(n // KB, n, b_q, b_do, b_lse, b_delta, k, v, far_idx, H * DK, H * DV, qk_scale, DK, BDK,
+                             DV, BDV, BT, KB, PREC, True)
     for g in tl.static_range(G):
         c = i_m * G + g
         o_s = c * BT + tl.arange(0, BT)
         kept_c = (tl.load(keep + c, mask=c < NC, other=0.0) == 1).to(tl.int32)
-        b_kt = _load_tile(k, o_s, o_s < T, H * D, D, BD, True, True)
-        b_vt = _load_tile(v, o_s, o_s < T, H * D, D, BD, True, True)
+        b_kt = _load_tile(k, o_s, o_s < T, H * DK, DK, BDK, True, True)
+        b_vt = _load_tile(v, o_s, o_s < T, H * DV, DV, BDV, True, True)
         b_mask = _near_mask(o_t, c, kept_c, T, BT)
         b_dq += _dq_step(b_q, b_do, b_lse, b_delta, b_kt, b_vt, qk_scale, b_mask, PREC, True)
-    o_d = tl.arange(0, BD)
-    tl.store(dq + o_t[:, None] * (H * D) + o_d[None, :], (b_dq * scale).to(dq.dtype.element_ty),
-             mask=m_t[:, None] & (o_d[None, :] < D))
+    o_d = tl.arange(0, BDK)
+    tl.store(dq + o_t[:, None] * (H * DK) + o_d[None, :], (b_dq * scale).to(dq.dtype.element_ty),
+             mask=m_t[:, None] & (o_d[None, :] < DK))
 
 
 def kept_chunk_lists(keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -317,6 +327,10 @@ def kept_chunk_lists(keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _block_d(D: int) -> int:
     return max(16, triton.next_power_of_2(D))
+
+
+def _head_dims(DK: int, DV: int) -> dict:
+    return dict(DK=DK, BDK=_block_d(DK), DV=DV, BDV=_block_d(DV))
 
 
 def _precision(q: torch.Tensor) -> str:
@@ -348,56 +362,60 @@ def chunk_selected_attention_fwd(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor, scale: float, chunk_size: int,
     compact: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Forward pass. q, k, v [B, T, H, D]; keep [B, H, NC]. Returns o [B, T, H, D] and lse [B, H, T] (log2 units).
+    """Forward pass. q, k [B, T, H, Dk], v [B, T, H, Dv]; keep [B, H, NC]. Returns o [B, T, H, Dv] and lse
+    [B, H, T] (log2 units).
 
     compact=True first gathers the kept chunks of every head into a dense K/V buffer (the alternative to
     index-driven block skipping, kept for the benchmark); both give the same result.
     """
-    B, T, H, D = q.shape
-    NC = keep.shape[-1]
+    B, T, H, DK = q.shape
+    DV, NC = v.shape[-1], keep.shape[-1]
     far_idx, n_far = kept_chunk_lists(keep)
-    o = torch.empty_like(q)
+    o = q.new_empty(B, T, H, DV)
     lse = torch.empty(B, H, T, device=q.device, dtype=torch.float32)
     if compact:
         k_far, v_far, far_idx = _compact_kept(k, v, far_idx, chunk_size)
-        strides = k_far.stride()[:3]
+        strides = k_far.stride()[:3] + v_far.stride()[:3]
     else:
         k_far, v_far = k, v
-        strides = (T * H * D, D, H * D)
+        strides = (T * H * DK, DK, H * DK, T * H * DV, DV, H * DV)
     cfg = _config(q, "fwd")
     _fwd_kernel[(triton.cdiv(NC, cfg["G"]), B * H)](
         q, k_far, v_far, k, v, o, lse, keep.float().contiguous(), far_idx, n_far, scale * LOG2E,
-        T, NC, *strides, H=H, D=D, BD=_block_d(D), BT=chunk_size, PREC=_precision(q), INTERPRET=_interpret(q), **cfg,
+        T, NC, *strides, H=H, **_head_dims(DK, DV), BT=chunk_size, PREC=_precision(q), INTERPRET=_interpret(q), **cfg,
     )
     return o, lse
 
 
 def _compact_kept(k, v, far_idx, chunk_size):
     """Gather the kept chunks (padded to T) into [B, H, NC*C, D] buffers; chunk j of the buffer is far_idx[j]."""
-    B, T, H, D = k.shape
     NC = far_idx.shape[-1]
-    pad = NC * chunk_size - T
-    kc = torch.nn.functional.pad(k, (0, 0, 0, 0, 0, pad)).transpose(1, 2).reshape(B, H, NC, chunk_size, D)
-    vc = torch.nn.functional.pad(v, (0, 0, 0, 0, 0, pad)).transpose(1, 2).reshape(B, H, NC, chunk_size, D)
-    idx = far_idx.clamp(max=NC - 1).long()[..., None, None].expand(B, H, NC, chunk_size, D)
-    k_far = torch.gather(kc, 2, idx).reshape(B, H, NC * chunk_size, D)
-    v_far = torch.gather(vc, 2, idx).reshape(B, H, NC * chunk_size, D)
-    identity = torch.arange(NC, device=k.device, dtype=torch.int32).expand(B, H, NC).contiguous()
+    idx = far_idx.clamp(max=NC - 1).long()
+    k_far, v_far = (_gather_chunks(x, idx, chunk_size) for x in (k, v))
+    identity = torch.arange(NC, device=k.device, dtype=torch.int32).expand_as(far_idx).contiguous()
     return k_far, v_far, identity
+
+
+def _gather_chunks(x, idx, chunk_size):
+    B, T, H, D = x.shape
+    NC = idx.shape[-1]
+    xc = torch.nn.functional.pad(x, (0, 0, 0, 0, 0, NC * chunk_size - T)).transpose(1, 2)
+    xc = xc.reshape(B, H, NC, chunk_size, D)
+    return torch.gather(xc, 2, idx[..., None, None].expand(B, H, NC, chunk_size, D)).reshape(B, H, NC * chunk_size, D)
 
 
 def chunk_selected_attention_bwd(
     q, k, v, o, lse, do, keep, scale: float, chunk_size: int, grad_unselected: bool = False,
 ):
-    """Backward pass: returns dq, dk, dv [B, T, H, D] and dkeep [B, H, NC] (fp32)."""
-    B, T, H, D = q.shape
+    """Backward pass: returns dq, dk [B, T, H, Dk], dv [B, T, H, Dv] and dkeep [B, H, NC] (fp32)."""
+    B, T, H, DK = q.shape
     NC = keep.shape[-1]
     far_idx, n_far = kept_chunk_lists(keep)
     delta = torch.empty(B, H, T, device=q.device, dtype=torch.float32)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     dkeep = torch.empty(B, H, NC, device=q.device, dtype=torch.float32)
     keep = keep.float().contiguous()
-    consts = dict(H=H, D=D, BD=_block_d(D), BT=chunk_size, PREC=_precision(q), INTERPRET=_interpret(q))
+    consts = dict(H=H, **_head_dims(DK, v.shape[-1]), BT=chunk_size, PREC=_precision(q), INTERPRET=_interpret(q))
     cfg = _config(q, "dq")
     _bwd_dq_kernel[(triton.cdiv(NC, cfg["G"]), B * H)](
         q, k, v, o, do, lse, delta, keep, far_idx, n_far, dq, scale * LOG2E, scale, T, NC, **consts, **cfg,
@@ -429,9 +447,9 @@ class ChunkSelectedAttentionFunction(torch.autograd.Function):
 def _check_inputs(q, k, v, keep, chunk_size):
     if q.dim() != 4:
         raise ValueError(f"q must be [B, T, H, D], got shape {tuple(q.shape)}")
-    if k.shape != q.shape or v.shape != q.shape:
-        raise ValueError(f"q, k, v must share one shape [B, T, H, D] (no GQA); got {tuple(q.shape)}, "
-                         f"{tuple(k.shape)}, {tuple(v.shape)}")
+    if k.shape != q.shape or v.dim() != 4 or v.shape[:3] != q.shape[:3]:
+        raise ValueError(f"q, k must share one shape [B, T, H, Dk] and v be [B, T, H, Dv] (no GQA); got "
+                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
     if chunk_size not in (16, 32, 64, 128):
         raise ValueError(f"chunk_size must be 16, 32, 64 or 128, got {chunk_size}")
     B, T, H, D = q.shape
@@ -444,10 +462,9 @@ def _check_inputs(q, k, v, keep, chunk_size):
         raise ValueError("q, k, v and keep must be on one device")
     if len({x.dtype for x in (q, k, v)}) != 1 or q.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"q, k, v must share one float dtype (fp32, bf16, fp16), got {q.dtype}, {k.dtype}, {v.dtype}")
-    if D > 256:
-        raise ValueError(f"head dim D must be <= 256, got {D}")
-    if q.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError("CPU tensors need TRITON_INTERPRET=1 (set before triton is imported) or a CUDA device")
+    if max(D, v.shape[-1]) > 256:
+        raise ValueError(f"head dims must be <= 256, got Dk = {D}, Dv = {v.shape[-1]}")
+    check_keep_values(keep, "chunk_selected_attention")
 
 
 def chunk_selected_attention(
@@ -463,17 +480,19 @@ def chunk_selected_attention(
     whose keep = 1 for its head.
 
     Args:
-        q, k, v: [B, T, H, D] (same H for all three: no GQA).
-        keep: [B, H, ceil(T / chunk_size)] float in {0, 1} (entries equal to 1 are kept; values are not checked,
-            which would cost a host sync); receives the straight-through selection gradient.
-        scale: default 1/sqrt(D).
+        q, k: [B, T, H, Dk]; v: [B, T, H, Dv] (same H for all three: no GQA); Dk, Dv <= 256.
+        keep: [B, H, ceil(T / chunk_size)] float in {0, 1} (other values raise ValueError; checking a new tensor's
+            values costs one host sync on a GPU); receives the straight-through selection gradient.
+        scale: default 1/sqrt(Dk).
         chunk_size: 16, 32, 64 or 128 (also the kernels' block size).
         grad_unselected: also compute d(keep) for chunks with keep = 0 (visits them in the backward).
 
     Returns:
-        o: [B, T, H, D] in the dtype of q.
+        o: [B, T, H, Dv] in the dtype of q. CPU tensors run `torch_chunk.py` unless TRITON_INTERPRET=1.
     """
     _check_inputs(q, k, v, keep, chunk_size)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    if use_torch_path(q):
+        return torch_chunk_selected_attention(q, k, v, keep, scale, chunk_size, grad_unselected)
     q, k, v = (x.contiguous() for x in (q, k, v))
     return ChunkSelectedAttentionFunction.apply(q, k, v, keep, scale, chunk_size, grad_unselected)

@@ -1,11 +1,15 @@
 """Chunk-selected Gated DeltaNet (NAtS-L's linear branch): public op, decode step and fp32 reference."""
+import contextlib
 import math
 
 import torch
+from triton.runtime.errors import OutOfResources
 
+from kernels.nats.checks import check_keep_values, check_log_decay, use_torch_path
 from kernels.nats.gdn.chunk import chunk_selected_gdn_bwd, chunk_selected_gdn_fwd
 from kernels.nats.gdn.naive import naive_chunk_selected_gdn
 from kernels.nats.gdn.recurrent import chunk_selected_gdn_step
+from kernels.nats.gdn.torch_chunk import torch_chunk_selected_gdn
 
 __all__ = ["chunk_selected_gdn", "chunk_selected_gdn_step", "naive_chunk_selected_gdn"]
 
@@ -16,8 +20,9 @@ class ChunkSelectedGDNFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, g, beta, keep, scale, initial_state, output_final_state, decay_dropped,
                 dkeep_dropped):
-        o, ht, G, Ai = chunk_selected_gdn_fwd(q, k, v, g, beta, keep, scale, initial_state, output_final_state,
-                                              decay_dropped)
+        with _refuse_unbuildable(q, v):
+            o, ht, G, Ai = chunk_selected_gdn_fwd(q, k, v, g, beta, keep, scale, initial_state, output_final_state,
+                                                  decay_dropped)
         ctx.save_for_backward(q, k, v, beta, keep, G, Ai, initial_state)
         ctx.scale, ctx.decay_dropped, ctx.dkeep_dropped = scale, decay_dropped, dkeep_dropped
         ctx.g_dtype = g.dtype
@@ -26,11 +31,22 @@ class ChunkSelectedGDNFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do, dht):
         q, k, v, beta, keep, G, Ai, initial_state = ctx.saved_tensors
-        dq, dk, dv, dg, dbeta, dkeep, dh0 = chunk_selected_gdn_bwd(
-            q, k, v, beta, keep, G, Ai, ctx.scale, initial_state, do, dht, ctx.decay_dropped, ctx.dkeep_dropped)
+        with _refuse_unbuildable(q, v):
+            dq, dk, dv, dg, dbeta, dkeep, dh0 = chunk_selected_gdn_bwd(
+                q, k, v, beta, keep, G, Ai, ctx.scale, initial_state, do, dht, ctx.decay_dropped, ctx.dkeep_dropped)
         if dh0 is not None:
             dh0 = dh0.to(initial_state.dtype)
         return dq, dk, dv, dg.to(ctx.g_dtype), dbeta, dkeep, None, dh0, None, None, None
+
+
+@contextlib.contextmanager
+def _refuse_unbuildable(q, v):
+    """A head size whose kernels need more shared memory than the GPU has becomes a one-line ValueError."""
+    try:
+        yield
+    except OutOfResources as e:
+        raise ValueError(f"chunk_selected_gdn: K={q.shape[-1]}, V={v.shape[-1]} in {q.dtype} does not fit this GPU "
+                         f"({str(e).splitlines()[0]}); use bf16 or smaller heads") from None
 
 
 def chunk_selected_gdn(
@@ -53,8 +69,9 @@ def chunk_selected_gdn(
     Args:
         q, k: `[B, T, H, K]`, K <= 256; L2-normalized by the caller unless `use_qk_l2norm`.
         v: `[B, T, H, V]`.
-        g: `[B, T, H]` log decay (<= 0); beta: `[B, T, H]`.
-        keep: `[B, H, ceil(T / 64)]` float in {0, 1}: commit chunk c's write into the state (1) or roll it back (0).
+        g: `[B, T, H]` log decay (<= 0, else ValueError); beta: `[B, T, H]`.
+        keep: `[B, H, ceil(T / 64)]` float in {0, 1} (else ValueError): commit chunk c's write into the state (1) or
+            roll it back (0). Checking the values of a new g or keep tensor costs one host sync on a GPU.
         scale: output scale, default `K ** -0.5`.
         initial_state: `[B, H, K, V]` (fp32 recommended) or None.
         output_final_state: also return the final state `[B, H, K, V]` in fp32.
@@ -63,12 +80,16 @@ def chunk_selected_gdn(
         dkeep_dropped: give the straight-through gradient of `keep` also where keep = 0 (default: zero there).
 
     Returns:
-        o `[B, T, H, V]` in v's dtype and the final state (or None).
+        o `[B, T, H, V]` in v's dtype and the final state (or None). CPU tensors run `torch_chunk.py` (autograd)
+        unless TRITON_INTERPRET=1 asks for the Triton kernels.
     """
     _check(q, k, v, g, beta, keep, initial_state, chunk_size)
     if use_qk_l2norm:
         q, k = _l2norm(q), _l2norm(k)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    if use_torch_path(q):
+        o, ht = torch_chunk_selected_gdn(q, k, v, g, beta, keep, scale, initial_state, decay_dropped, dkeep_dropped)
+        return o, (ht if output_final_state else None)
     args = [x.contiguous() for x in (q, k, v, g, beta, keep)]
     h0 = initial_state.contiguous() if initial_state is not None else None
     return ChunkSelectedGDNFunction.apply(*args, scale, h0, output_final_state, decay_dropped, dkeep_dropped)
@@ -101,3 +122,5 @@ def _check(q, k, v, g, beta, keep, initial_state, chunk_size):
     if initial_state is not None and initial_state.shape != (B, H, K, v.shape[-1]):
         raise ValueError(f"initial_state must be [B, H, K, V] = {(B, H, K, v.shape[-1])}; got "
                          f"{tuple(initial_state.shape)}")
+    check_keep_values(keep, "chunk_selected_gdn")
+    check_log_decay(g, "chunk_selected_gdn")

@@ -471,6 +471,17 @@ def _bv(n_programs: int, V: int, device: torch.device) -> int:
     return 16 if n_programs * triton.cdiv(V, 32) < 2 * sms else min(32, _pow2(V))
 
 
+def _state_bk(K: int, device: torch.device) -> int:
+    """K tile (the whole K) of the sequential kernels' state [BK, BV]; rows >= K are masked to zero.
+
+    On the GPU at least 128: with K = 64 (a [64, BV] state, both products 64 x 64 by 64 x BV) Triton 3.6 on the H200
+    faulted with an illegal address in _fwd_h_kernel (issue 14), while the same kernels with the 128-row tile of K = 128
+    run and match the reference; padding K = 64 to that tile reuses the verified shapes (the padded half of the state
+    stays zero and its products add zeros). The interpreter keeps the next power of two.
+    """
+    return _pow2(K) if device.type != "cuda" else max(128, _pow2(K))
+
+
 def _loop_bv(V: int, dtype: torch.dtype) -> int:
     """V tile of the chunk-parallel kernels: 64 for 16-bit inputs, 32 for fp32 (bounds the pipelined tiles)."""
     return min(64 if dtype.itemsize == 2 else 32, _pow2(V))
@@ -504,7 +515,7 @@ def _fwd_h(k, w, u, G, keep, initial_state, output_final_state, decay_dropped):
     ht = k.new_empty(B, H, K, V, dtype=torch.float32) if output_final_state else None
     BV = _bv(B * H, V, k.device)
     _fwd_h_kernel[(triton.cdiv(V, BV), B * H)](
-        k, w, u, G, keep, h, v_new, initial_state, ht, T, NT, H=H, K=K, V=V, BK=_pow2(K), BV=BV,
+        k, w, u, G, keep, h, v_new, initial_state, ht, T, NT, H=H, K=K, V=V, BK=_state_bk(K, k.device), BV=BV,
         DECAY_DROPPED=decay_dropped, USE_H0=initial_state is not None, STORE_HT=output_final_state)
     return h, v_new, ht
 
@@ -540,7 +551,8 @@ def chunk_selected_gdn_bwd(q, k, v, beta, keep, G, Ai, scale, initial_state, do,
     dh0 = torch.empty(B, H, K, V, device=q.device, dtype=torch.float32) if initial_state is not None else None
     BVs = _bv(B * H, V, q.device)
     _bwd_dh_kernel[(triton.cdiv(V, BVs), B * H)](
-        q, k, w, G, keep, do, dv_local, dv2, dh, dh0, dht, scale, T, NT, H=H, K=K, V=V, BK=_pow2(K), BV=BVs,
+        q, k, w, G, keep, do, dv_local, dv2, dh, dh0, dht, scale, T, NT, H=H, K=K, V=V, BK=_state_bk(K, q.device),
+        BV=BVs,
         DECAY_DROPPED=decay_dropped, USE_DH0=dh0 is not None, USE_DHT=dht is not None)
 
     NK = triton.cdiv(K, BK)

@@ -1,0 +1,94 @@
+"""Context parallelism: each CP rank holds one contiguous, ordered shard of every sequence.
+
+Contiguous shards (rank r holds tokens [r*S, (r+1)*S) of a T = cp*S sequence) are what the recurrent mixers
+need: a rank's initial state is the state after all earlier shards, obtained by the state-passing pattern of
+LASP-2 / flash-linear-attention (every rank summarizes its shard, one all-gather of the fixed-size summaries,
+a causal prefix combine). Softmax layers all-gather K and V and mask by global position; with contiguous
+shards the last rank attends over the whole sequence and the first over its own shard only, an imbalance of
+(2r+1)/cp in attention work on rank r (documented in the README; the matmuls around it are balanced).
+
+Pieces here: a differentiable all-gather along the sequence (its backward sums the gradients of all ranks and
+keeps this rank's slice), the shard of a batch, the RoPE table of a shard, and the prefix combine of
+per-rank summaries for diagonal and matrix transitions.
+"""
+import torch
+import torch.distributed as dist
+
+
+class _GatherSequence(torch.autograd.Function):
+    """All-gather along `dim` over `group` in rank order; the backward all-reduces and keeps this rank's part
+    (reduce-scatter on backends that have it, which gloo does not)."""
+
+    @staticmethod
+    def forward(ctx, x, dim, group):
+        ctx.dim, ctx.group = dim, group
+        ctx.rank, ctx.size = dist.get_rank(group), dist.get_world_size(group)
+        parts = [torch.empty_like(x) for _ in range(ctx.size)]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return torch.cat(parts, dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad.chunk(ctx.size, ctx.dim)[ctx.rank].contiguous(), None, None
+
+
+def gather_sequence(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    """The whole sequence from every rank's shard along `dim` (differentiable)."""
+    if group is None or dist.get_world_size(group) == 1:
+        return x
+    return _GatherSequence.apply(x, dim, group)
+
+
+def shard_batch(batch: dict, cp_rank: int, cp: int) -> dict:
+    """This rank's contiguous part of every [B, T] tensor of a batch."""
+    if cp == 1:
+        return batch
+    return {name: t.chunk(cp, dim=1)[cp_rank].contiguous() for name, t in batch.items()}
+
+
+class ContiguousShardRotary(torch.nn.Module):
+    """megatron's RotaryEmbedding for contiguous CP shards: the full table, then this rank's contiguous slice
+    (megatron's own CP slicing assumes load-balanced zigzag shards)."""
+
+    def __init__(self, rotary, cp_rank: int, cp: int):
+        super().__init__()
+        self.rotary, self.cp_rank, self.cp = rotary, cp_rank, cp
+        rotary.cp_group = None
+
+    def get_rotary_seq_len(self, *args, **kwargs) -> int:
+        return self.rotary.get_rotary_seq_len(*args, **kwargs)
+
+    def forward(self, max_seq_len: int, offset: int = 0, packed_seq: bool = False, cp_group=None):
+        emb = self.rotary(max_seq_len, offset=offset, packed_seq=packed_seq)
+        return emb.chunk(self.cp, dim=0)[self.cp_rank]
+
+
+def prefix_states_diagonal(final_state: torch.Tensor, decay: torch.Tensor, group) -> torch.Tensor:
+    """Initial state of this rank's shard from every rank's zero-start final state h_r and its shard transition
+    a_r (elementwise, broadcast against h; complex allowed): s_r = sum_{j<r} (prod_{j<i<r} a_i) h_j.
+    Differentiable in both (gradients flow back to the earlier ranks' summaries)."""
+    return _prefix(final_state, decay, group, lambda a, s: a * s)
+
+
+def prefix_states_matrix(final_state: torch.Tensor, transition: torch.Tensor, group) -> torch.Tensor:
+    """As prefix_states_diagonal for a matrix transition: s_{i+1} = A_i s_i + h_i with A [..., K, K] acting on
+    the state's K axis (state [..., K, V]), as the Gated DeltaNet shard summary."""
+    return _prefix(final_state, transition, group, lambda a, s: a @ s)
+
+
+def _prefix(final_state, transition, group, apply):
+    size = 1 if group is None else dist.get_world_size(group)
+    if size == 1:
+        return torch.zeros_like(final_state)
+    rank = dist.get_rank(group)
+    # One all-gather of both summaries. Every rank's result depends on it (rank 0 through a zero term), so every
+    # rank runs its backward all-reduce, which the later ranks' gradients for rank 0's summary need.
+    packed = gather_sequence(torch.cat([final_state.flatten(), transition.flatten()])[None], 0, group)
+    states = packed[:, :final_state.numel()].reshape(size, *final_state.shape)
+    transitions = packed[:, final_state.numel():].reshape(size, *transition.shape)
+    s = torch.zeros_like(final_state) + 0 * packed.sum()
+    for j in range(rank):
+        s = apply(transitions[j], s) + states[j]
+    return s

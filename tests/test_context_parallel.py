@@ -1,0 +1,132 @@
+"""Context parallelism (contiguous shards, megahybrid.model.cp): 3 training steps of the tiny model give the same
+losses and every gradient at cp = 2, 4 and tp = 2 x cp = 2 as on one rank, for every pattern in CP_PATTERNS
+(a mixer joins with one line once its record says cp=True); plus the state-passing prefix combine."""
+import pytest
+
+from tests.dist import run_on_ranks
+from tests.utils import assert_close
+
+LOSS_TOL = 1e-5  # fp32, reductions reordered across ranks
+GRAD_TOL = 1e-4  # relative RMS error of each full gradient
+PREFIX_TOL = 1e-5
+
+CP_PATTERNS = [
+    "S",
+]
+LAYOUTS_2 = {"cp2": dict(cp=2)}
+LAYOUTS_4 = {"cp4": dict(cp=4), "tp2_cp2": dict(tp=2, cp=2), "tp2_cp2_sp": dict(tp=2, cp=2, sequence_parallel=True)}
+
+
+def _train_layouts(rank, world, layouts, steps):
+    from tests.minimal_train import train_steps
+    from megahybrid.distributed import init_distributed, shutdown
+    from megahybrid.model.config import preset
+    from megahybrid.model.gpt import build_model
+    from megahybrid.model.sharding import full_named_tensors
+    from megahybrid.parallel import ParallelLayout
+
+    out = {}
+    for pattern in CP_PATTERNS:
+        cfg = preset("tiny", pattern=pattern, num_layers=max(2, len(pattern)), seq_length=256)
+        for name, dims in layouts.items():
+            groups = init_distributed(ParallelLayout.for_world(world, **dims))
+            model = build_model(cfg, groups.layout)
+            losses = train_steps(model, cfg, groups, steps, global_batch=4)
+            out[pattern, name] = (losses, full_named_tensors(model, groups.tp_group, grads=True))
+    shutdown()
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference():
+    per_pattern = run_on_ranks(_train_layouts, 1, {"cp1": {}}, 3)[0]
+    return {pattern: per_pattern[pattern, "cp1"] for pattern in CP_PATTERNS}
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("world, layouts", [(2, LAYOUTS_2), (4, LAYOUTS_4)], ids=["2ranks", "4ranks"])
+def test_context_parallel_matches_one_rank(reference, world, layouts):
+    for rank_result in run_on_ranks(_train_layouts, world, layouts, 3):
+        for (pattern, name), (losses, grads) in rank_result.items():
+            ref_losses, ref_grads = reference[pattern]
+            where = f"pattern {pattern} {name}"
+            assert losses == pytest.approx(ref_losses, rel=LOSS_TOL), f"{where} losses {losses} vs {ref_losses}"
+            assert grads.keys() == ref_grads.keys(), where
+            for key in ref_grads:
+                assert_close(grads[key], ref_grads[key], GRAD_TOL, f"{where} grad {key}")
+
+
+def _prefix_checks(rank, world):
+    """Each rank's shard summary (h_r, a_r) -> its initial state, and the gradients back to every summary,
+    against the sequential combine on one rank."""
+    import torch
+    import torch.distributed as dist
+
+    from megahybrid.model import cp
+
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    gen = torch.Generator().manual_seed(0)
+    h = torch.randn(world, 3, 4, 5, generator=gen, dtype=torch.float64)
+    a_diag = torch.rand(world, 3, 4, 1, generator=gen, dtype=torch.float64)
+    a_mat = torch.randn(world, 3, 4, 4, generator=gen, dtype=torch.float64) / 2
+    out = {}
+    for name, a, fn in (("diag", a_diag, cp.prefix_states_diagonal), ("matrix", a_mat, cp.prefix_states_matrix)):
+        mine_h, mine_a = h[rank].clone().requires_grad_(), a[rank].clone().requires_grad_()
+        s = fn(mine_h, mine_a, dist.group.WORLD)
+        weight = torch.randn(s.shape, generator=torch.Generator().manual_seed(rank), dtype=torch.float64)
+        (s * weight).sum().backward()
+        out[name] = (s.detach(), mine_h.grad, mine_a.grad)
+    dist.destroy_process_group()
+    return h, a_diag, a_mat, out
+
+
+@pytest.mark.dist
+def test_prefix_combine_and_its_gradients():
+    import torch
+
+    world = 3
+    results = run_on_ranks(_prefix_checks, world)
+    h, a_diag, a_mat = (t.clone().requires_grad_() for t in results[0][:3])
+    for name, a, apply in (("diag", a_diag, lambda a, s: a * s), ("matrix", a_mat, lambda a, s: a @ s)):
+        s, states = torch.zeros_like(h[0]), []
+        for r in range(world):
+            states.append(s)
+            s = apply(a[r], s) + h[r]
+        loss = sum((states[r] * torch.randn(states[r].shape, generator=torch.Generator().manual_seed(r),
+                                            dtype=torch.float64)).sum() for r in range(world))
+        dh, da = torch.autograd.grad(loss, (h, a))
+        for r in range(world):
+            got_s, got_dh, got_da = results[r][3][name]
+            assert_close(got_s, states[r], PREFIX_TOL, f"{name} state of rank {r}")
+            if r < world - 1:  # the last rank's own summary feeds no shard (its gradient is zero)
+                assert_close(got_dh, dh[r], PREFIX_TOL, f"{name} dh of rank {r}")
+                assert_close(got_da, da[r], PREFIX_TOL, f"{name} da of rank {r}")
+            else:
+                assert got_dh.abs().max() == 0 and got_da.abs().max() == 0
+
+
+@pytest.mark.dist
+def test_train_command_at_cp2_matches_cp1_and_resumes(tmp_path):
+    """`megahybrid train parallel.cp=2` on 2 ranks: the loss curve of the 1-rank run (deterministic mode, fp32);
+    killed after step 4 it resumes from step 3 at cp = 2 with the same losses; a sequence length that does not
+    split into whole chunks per rank is a one-line error."""
+    import signal
+
+    from megahybrid.data.builtin import prepare_builtin
+    from tests.test_train_resume import _args, latest, losses, run
+
+    data_dir = str(tmp_path / "builtin")
+    prepare_builtin(data_dir, vocab_size=512, num_docs=2000)
+    one, two = str(tmp_path / "cp1"), str(tmp_path / "cp2")
+    run(_args(one, data_dir, 6))
+    run(_args(two, data_dir, 6, "parallel.cp=2", "debug.sigkill_after_step=4"), world=2, expect=-signal.SIGKILL)
+    assert latest(two) == "step_00000003"
+    (_, stdout, _), _ = run(_args(two, data_dir, 6, "parallel.cp=2"), world=2)
+    assert "resumed from" in stdout and "cp=2" in stdout and "cp_bytes_sent_per_layer_per_sequence=S:" in stdout
+    ref, got = losses(one), losses(two)
+    assert sorted(got) == sorted(ref) == list(range(1, 7))
+    for step in ref:
+        assert got[step] == pytest.approx(ref[step], rel=1e-5), (step, got[step], ref[step])
+    (_, _, stderr), _ = run(_args(str(tmp_path / "bad"), data_dir, 2, "parallel.cp=2", "model.seq_length=101"),
+                            world=2, expect=2)
+    assert "model.seq_length=101 must be a multiple of 2" in stderr and "Traceback" not in stderr
