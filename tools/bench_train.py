@@ -166,6 +166,7 @@ def parse_args(argv=None):
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation happens here)")
     parser.add_argument("--compile", choices=["auto", "true", "false"], default="auto")
     parser.add_argument("--budget-s", type=float, default=420.0, help="wall time for all rows; later rows skip")
+    parser.add_argument("--row-timeout-s", type=float, default=150.0, help="wall time for one row")
     parser.add_argument("--results-dir", default=None, help="default tools/results")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     return parser.parse_args(argv)
@@ -186,7 +187,8 @@ def main(argv=None) -> int:
     deadline, done = time.monotonic() + args.budget_s, []
     for row in plan_rows(args.rows):
         left = deadline - time.monotonic()
-        result = run_row(row, _shared_argv(args), left) if left > 10 else {**row, "status": "skipped: budget"}
+        timeout = min(left, args.row_timeout_s)
+        result = run_row(row, _shared_argv(args), timeout) if left > 10 else {**row, "status": "skipped: budget"}
         done.append({column: result.get(column, "") for column in COLUMNS})
         print(format_table([done[-1]]), flush=True)
         save_results("bench_train", done, _meta(None), args.results_dir)

@@ -186,10 +186,12 @@ class Trainer:
             loss_sum += loss.detach().double()
             if micro < self.gas - 1:
                 self.engine.step()
-        flags = torch.stack([loss_sum, (~torch.isfinite(loss_sum)).double(),
-                             torch.tensor(float(self.stop.requested), dtype=torch.float64, device=loss_sum.device)])
+        # new_full is a fill on the device; torch.tensor(..., device=) would be a blocking host-to-device copy.
+        stop = loss_sum.new_full((), float(self.stop.requested))
+        flags = torch.stack([loss_sum, (~torch.isfinite(loss_sum)).double(), stop])
         dist.all_reduce(flags)
-        # The skip decision is the step's one host sync; loss and stop flag come with it.
+        # Our one host sync in the step (the skip decision; loss and stop flag come with it). DeepSpeed's ZeRO
+        # step adds its own (its gradient clipping reads the norm on the host).
         loss_total, nonfinite, stop = flags.tolist()
         skip = nonfinite > 0
         self.optimizer.skipping = skip
