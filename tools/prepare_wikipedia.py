@@ -13,7 +13,8 @@ most 120 characters and 15 words that does not end like a sentence (. ! ? , ; :)
 did (or the file starts). A missed or spurious boundary only merges or splits an article, which changes
 nothing for packed language-model samples. Title-only articles (no paragraph) are dropped.
 
-Usage: python tools/prepare_wikipedia.py [--input-dir DIR] [--out-dir DIR] [--vocab-size 32000] [--max-docs N] [--workers N]
+Usage: python tools/prepare_wikipedia.py [--input-dir DIR] [--out-dir DIR] [--vocab-size 32000] [--max-docs N]
+       [--workers N]
 """
 import argparse
 import glob
