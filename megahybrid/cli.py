@@ -1,4 +1,5 @@
-"""The `megahybrid` command: `megahybrid train --config NAME_OR_PATH [key=value ...]` and `megahybrid data ...`.
+"""The `megahybrid` command: `megahybrid train --config NAME_OR_PATH [key=value ...]`, `megahybrid data ...` and
+`megahybrid convert ...`.
 
 User errors (config, data, launch environment, checkpoints) print one line `error: ...` to stderr and exit with
 code 2, without a traceback. Training exit codes are listed in megahybrid/train/trainer.py.
@@ -35,6 +36,9 @@ def parser() -> argparse.ArgumentParser:
     from megahybrid.data.cli import add_data_commands
 
     add_data_commands(subparsers)
+    from megahybrid.convert.cli import add_convert_command
+
+    add_convert_command(subparsers)
     return top
 
 
@@ -158,6 +162,7 @@ def _has_gpu() -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     from megahybrid.errors import ConfigError, UserError
+    from megahybrid.train.signals import Interrupted, install_stop_handlers
 
     argv = sys.argv[1:] if argv is None else argv
     args = parser().parse_args(argv)
@@ -167,8 +172,14 @@ def main(argv: list[str] | None = None) -> int:
 
         return run(args)
     try:
+        if args.command == "convert":
+            from megahybrid.convert.cli import run
+
+            return run(args)
         if args.nproc_per_node is not None:
             return launch_local(args, argv)
+        # Before torch is imported: a SIGTERM or Ctrl-C in the first seconds gets a message and an exit code too.
+        install_stop_handlers()
         prepare_launch_env()
         return run_train(args)
     except UserError as err:
@@ -176,6 +187,9 @@ def main(argv: list[str] | None = None) -> int:
         if not isinstance(err, ConfigError) or os.environ.get("RANK", "0") == "0":
             print(f"error: {err}", file=sys.stderr, flush=True)
         return EXIT_USER_ERROR
+    except Interrupted as stop:
+        print(stop.message(), file=sys.stderr, flush=True)
+        return stop.exit_code
 
 
 if __name__ == "__main__":

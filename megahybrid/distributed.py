@@ -6,11 +6,13 @@ This is the only module that reads or writes megatron's global `parallel_state`.
 import contextlib
 import datetime
 import os
+import socket
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
+from megahybrid.errors import UserError
 from megahybrid.parallel import ParallelLayout
 
 _CPU_REDIRECTED = False
@@ -136,8 +138,9 @@ def init_distributed(layout: ParallelLayout, seed: int = 1234, timeout_s: int = 
         torch.cuda.set_device(local % torch.cuda.device_count())
     if not dist.is_initialized():
         backend = "nccl" if torch.cuda.is_available() else "gloo"
-        dist.init_process_group(backend, rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=timeout_s))
+        timeout = datetime.timedelta(seconds=timeout_s)
+        dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout,
+                                store=_loopback_store(rank, world, timeout))
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
 
@@ -155,6 +158,38 @@ def init_distributed(layout: ParallelLayout, seed: int = 1234, timeout_s: int = 
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
     torch.manual_seed(seed)
     return _current_groups(layout)
+
+
+def _is_loopback(addr: str) -> bool:
+    return addr in ("localhost", "::1") or addr.startswith("127.")
+
+
+def _loopback_store(rank: int, world: int, timeout: datetime.timedelta):
+    """The rendezvous store of a one-node run, reachable from this host only; None = torch's env:// rendezvous
+    (torchrun's agent store, or a TCPStore on MASTER_ADDR:MASTER_PORT that listens on all interfaces).
+
+    One rank needs no socket (an in-memory store, so concurrent runs never collide on a port). Several ranks meet
+    in a TCPStore whose listening socket we bind to 127.0.0.1 ourselves (torch binds its own to every interface).
+    gloo's and NCCL's connections go over the loopback interface too, unless the user chose one."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" or not _is_loopback(os.environ["MASTER_ADDR"]):
+        return None
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
+    if world == 1:
+        return dist.HashStore()
+    port = int(os.environ["MASTER_PORT"])
+    if rank != 0:
+        return dist.TCPStore("127.0.0.1", port, world, False, timeout)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.bind(("127.0.0.1", port))
+    except OSError as err:
+        sock.close()
+        raise UserError(f"MASTER_PORT={port} on 127.0.0.1 is taken ({err.strerror}), probably by another run on "
+                        "this host: export MASTER_PORT=<a free port>") from None
+    sock.listen()
+    # detach: the store's daemon owns the socket from now on (closing it here would crash the daemon).
+    return dist.TCPStore("127.0.0.1", port, world, True, timeout, master_listen_fd=sock.detach(), use_libuv=False)
 
 
 def _current_groups(layout: ParallelLayout) -> Groups:

@@ -189,7 +189,7 @@ def test_nonfinite_losses_stop_with_exit_4(data_dir, tmp_path):
     run_dir = str(tmp_path / "nan")
     args = _args(run_dir, data_dir, 20, "debug.nan_loss_steps=[2,3]", "train.max_consecutive_nonfinite=2")
     (_, _, stderr), = run(args, expect=EXIT_NONFINITE)
-    assert "error: 2 steps in a row had a non-finite loss (last: step 3)" in stderr
+    assert "error: 2 steps in a row had a non-finite loss or gradient norm (last: step 3)" in stderr
     assert latest(run_dir) == "step_00000003"
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         records = [json.loads(line) for line in f if "train/loss" in line]

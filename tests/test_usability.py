@@ -102,8 +102,9 @@ def test_extended_run_keeps_its_lr_schedule_and_printed_commands_work(data_dir, 
     assert lrs[5] == lrs[6] == pytest.approx(3e-4), lrs  # the original schedule ended at min_lr
     resume = _printed(stdout, "resume: ")
     assert resume[:3] == [sys.executable, "-m", "megahybrid"], resume
-    rerun = subprocess.run(resume + ["train.steps=8", "optimizer.reschedule=true"], env=_env(), capture_output=True,
-                           text=True, timeout=300)
+    # Recomputation does not change the weights: a run resumes across it.
+    extend = ["train.steps=8", "optimizer.reschedule=true", "model.recompute=full"]
+    rerun = subprocess.run(resume + extend, env=_env(), capture_output=True, text=True, timeout=300)
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     lrs = _records(run_dir, "train/lr")
     assert lrs[7] == pytest.approx(LRSchedule(3e-3, 3e-4, 1, 8)(6)) and lrs[7] > 2 * lrs[6], lrs

@@ -1,21 +1,24 @@
-"""Interdomain Attention token-mixing op: chunked Triton kernels (forward + backward), decode step, reference."""
+"""Interdomain Attention token-mixing op: chunked Triton kernels (forward + backward), a chunked torch path (CPU
+tensors, full readouts), decode step, reference."""
 import weakref
 
 import torch
 
-from .chunk import InterdomainFunction
+from . import chunk
+from .chunk import InterdomainFunction, _interpret
 from .naive import EPS, interdomain_attention_naive, sign_nonzero
 from .recurrent import interdomain_recurrent, interdomain_step
+from .torch_chunk import interdomain_readout, interdomain_torch
 
 __all__ = ["interdomain_attention", "interdomain_attention_naive", "interdomain_step", "interdomain_recurrent",
-           "EPS"]
+           "interdomain_readout", "uses_torch_path", "EPS"]
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _CHECKED_DECAY: dict = {}
 
 
 def interdomain_attention(q, k, v, decay, b, initial_state=None, output_final_state=False, normalize=False,
-                          chunk_size=64):
+                          chunk_size=64, readout=None):
     """Interdomain Attention (see kernels/interdomain/README.md for the definition).
 
     Args:
@@ -24,10 +27,16 @@ def interdomain_attention(q, k, v, decay, b, initial_state=None, output_final_st
         initial_state: (U [B, H, M, 2, K], G [B, H, M, 2, V]) fp32, plus eta [B, H, M, 2] with `normalize`.
         normalize: divide by sum_m Re(a conj eta) + EPS * sign (sign(0) = +1).
         chunk_size: tokens per chunk (16, 32, 64 or 128); chunk-boundary states are the only states kept.
+        readout: C [H, M, M, 2] fp32 (re, im) mixing the modes of U_t and Gamma_t before the query reads them; None
+            is the identity. The Triton kernels carry C (a P per token, P = C^T conj(C)) but are checked only
+            under the interpreter so far: on the GPU a readout runs the chunked torch path (torch_chunk.py),
+            correct but slower, until chunk.READOUT_ON_GPU is turned on.
     Returns:
         o [B, T, H, V] in v's dtype and the final state (same layout as initial_state) or None.
+    On CPU tensors the op runs the chunked torch path unless TRITON_INTERPRET=1 (which runs the Triton kernels in
+    the interpreter, as their tests do).
     """
-    check_inputs(q, k, v, decay, b, initial_state, normalize, chunk_size)
+    check_inputs(q, k, v, decay, b, initial_state, normalize, chunk_size, readout)
     B, T, H, _ = q.shape
     V = v.shape[-1]
     if normalize:
@@ -39,8 +48,11 @@ def interdomain_attention(q, k, v, decay, b, initial_state=None, output_final_st
     if initial_state is not None:
         u0 = initial_state[0].transpose(2, 3).contiguous()
         g0 = initial_state[1].transpose(2, 3).contiguous()
-    o, uf, gf = InterdomainFunction.apply(q.contiguous(), k.contiguous(), v.contiguous(), decay.contiguous(),
-                                          b.contiguous(), u0, g0, chunk_size)
+    if uses_torch_path(q, readout):
+        o, uf, gf = interdomain_torch(q, k, v, decay, b, u0, g0, chunk_size, readout)
+    else:
+        o, uf, gf = InterdomainFunction.apply(q.contiguous(), k.contiguous(), v.contiguous(), decay.contiguous(),
+                                              b.contiguous(), u0, g0, chunk_size, _readout_p(readout))
     state = (uf.transpose(2, 3).contiguous(), gf.transpose(2, 3).contiguous()) if output_final_state else None
     if normalize:
         den = o[..., V:].float()
@@ -50,7 +62,23 @@ def interdomain_attention(q, k, v, decay, b, initial_state=None, output_final_st
     return o, state
 
 
-def check_inputs(q, k, v, decay, b, initial_state, normalize, chunk_size):
+def uses_torch_path(q, readout=None):
+    """True where the op runs torch_chunk.py instead of the Triton kernels: a CPU tensor outside the Triton
+    interpreter, or a readout on the GPU while chunk.READOUT_ON_GPU is off."""
+    if q.device.type == "cpu":
+        return not _interpret()
+    return readout is not None and not chunk.READOUT_ON_GPU
+
+
+def _readout_p(readout):
+    """P = C^T conj(C) [H, M, M, 2] (re, im) for the kernels, differentiable in C; None stays None."""
+    if readout is None:
+        return None
+    c = torch.complex(readout[..., 0], readout[..., 1])
+    return torch.view_as_real(torch.einsum("hmn,hmk->hnk", c, c.conj())).contiguous()
+
+
+def check_inputs(q, k, v, decay, b, initial_state, normalize, chunk_size, readout=None):
     """One-line ValueErrors naming the fix for every malformed input."""
     if q.dim() != 4 or k.shape != q.shape:
         raise ValueError(f"q and k must both be [B, T, H, K]; got {tuple(q.shape)} and {tuple(k.shape)}")
@@ -69,9 +97,13 @@ def check_inputs(q, k, v, decay, b, initial_state, normalize, chunk_size):
     M = decay.shape[1]
     if b.shape[1] != M or not 1 <= M <= 64:
         raise ValueError(f"decay and b must share M with 1 <= M <= 64; got {decay.shape[1]} and {b.shape[1]}")
-    tensors = [q, k, v, decay, b] + list(initial_state or ())
+    if readout is not None and (readout.shape != (H, M, M, 2) or readout.dtype != torch.float32):
+        raise ValueError(f"readout must be fp32 [H={H}, M={M}, M, 2] (re, im) or None; got {readout.dtype} "
+                         f"{tuple(readout.shape)}")
+    tensors = [q, k, v, decay, b] + list(initial_state or ()) + ([readout] if readout is not None else [])
     if any(t.device != q.device for t in tensors):
-        raise ValueError("all inputs (q, k, v, decay, b, initial_state) must be on one device; move them with .to()")
+        raise ValueError("all inputs (q, k, v, decay, b, initial_state, readout) must be on one device; move them "
+                         "with .to()")
     if chunk_size not in (16, 32, 64, 128):
         raise ValueError(f"chunk_size must be 16, 32, 64 or 128; got {chunk_size}")
     _check_decay(decay)
@@ -80,16 +112,51 @@ def check_inputs(q, k, v, decay, b, initial_state, normalize, chunk_size):
 
 
 def _check_decay(decay):
-    """Reading decay's values syncs the GPU; a decoding loop passes one decay tensor every step, so a tensor already
-    checked (the same live object, unchanged in place since: same version counter) is not read again."""
+    """log|lambda| <= 0 on every call. A CPU tensor is read each time (no sync to save; writes through `decay.data`
+    bump no version counter, so no cache can see them). On the GPU reading syncs, so a tensor already checked (the
+    same live object, same version counter) is not read on the host again: instead its max goes to pinned host
+    memory asynchronously, and a later call raises once that copy has landed (`_poll_async_check`)."""
+    if decay.device.type != "cuda":
+        _refuse_growing(bool((decay[..., 0] > 0).any()))
+        return
+    if torch.cuda.is_current_stream_capturing():
+        return  # nothing can be read while a CUDA graph is captured: its warm-up calls were checked
+    _poll_async_check()
     seen = _CHECKED_DECAY.get(id(decay))
     if seen is not None and seen[0]() is decay and seen[1] == decay._version:
+        _start_async_check(decay)
         return
-    if bool((decay[..., 0] > 0).any()):
-        raise ValueError("decay[..., 0] = log|lambda| must be <= 0 (a growing mode); clamp it in the layer")
+    _refuse_growing(bool((decay[..., 0] > 0).any()))
     if len(_CHECKED_DECAY) > 64:
         _CHECKED_DECAY.clear()
     _CHECKED_DECAY[id(decay)] = (weakref.ref(decay), decay._version)
+
+
+def _refuse_growing(growing, late=""):
+    if growing:
+        raise ValueError(f"decay[..., 0] = log|lambda| must be <= 0 (a growing mode){late}; clamp it in the layer")
+
+
+# one device-side decay check in flight at a time: (event, pinned host max); a call finding it unfinished skips its
+# own, so a decode loop adds one small reduction and copy per check and never waits
+_ASYNC_CHECK: dict = {}
+
+
+def _start_async_check(decay):
+    if _ASYNC_CHECK:
+        return
+    host = torch.empty((), dtype=torch.float32, pin_memory=True)
+    host.copy_(decay[..., 0].amax(), non_blocking=True)
+    event = torch.cuda.Event()
+    event.record()
+    _ASYNC_CHECK.update(event=event, host=host)
+
+
+def _poll_async_check():
+    if _ASYNC_CHECK and _ASYNC_CHECK["event"].query():
+        growing = bool(_ASYNC_CHECK.pop("host") > 0)
+        _ASYNC_CHECK.clear()
+        _refuse_growing(growing, " (found after a checked call: decay was written in place, e.g. through .data)")
 
 
 def _check_state(state, B, H, M, K, V, normalize):

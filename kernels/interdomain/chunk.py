@@ -470,6 +470,36 @@ def _fwd_kernel(q_ptr, k_ptr, v_ptr, ub_ptr, gb_ptr, b_ptr, pw_ptr, o_ptr, T, NC
 
 
 @triton.jit
+def _fwd_mixed_kernel(q_ptr, k_ptr, v_ptr, ub_ptr, gb_ptr, b_ptr, pw_ptr, p_ptr, o_ptr, T, NC, H, M,
+                      K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
+                      BV: tl.constexpr, PREC: tl.constexpr):
+    """_fwd_kernel with the readout P [H, M, M, 2] (re, im): o reads a P instead of a (README.md, "Full readout");
+    on stacked operands at every mode tile."""
+    ic, i_bh, i_h, oc, ok, rows, om, mm, pw, br, bi = _chunk_program(b_ptr, pw_ptr, T, H, M, C, BM)
+    ub = ub_ptr + (i_bh * NC + ic) * 2 * M * K
+    ar, ai, _, _, _ = _readout_a(q_ptr, k_ptr, ub, pw, br[None, :], bi[None, :], rows, ok, oc, om, mm, M, K, C, BK,
+                                 BM, PREC, True)
+    ar, ai = _mix_modes(ar, ai, p_ptr, i_h, om, mm, M, PREC, False)
+    gb = gb_ptr + (i_bh * NC + ic) * 2 * M * V
+    _fwd_o_stacked(v_ptr, o_ptr, gb, b_ptr, pw, ar, ai, rows, ok, oc, om, mm, i_h, M, V, C, BM, BV, PREC)
+
+
+@triton.jit
+def _mix_modes(xr, xi, p_ptr, i_h, om, mm, M, PREC: tl.constexpr, ADJOINT: tl.constexpr):
+    """x P (ADJOINT: x P^H) for per-token rows x [C, BM] (re, im, fp32) and the head's P [M, M] (re, im)."""
+    mp = mm[:, None] & mm[None, :]
+    if ADJOINT:
+        pp = p_ptr + ((i_h * M + om[None, :]) * M + om[:, None]) * 2
+        pr, pi = tl.load(pp, mask=mp, other=0.0), -tl.load(pp + 1, mask=mp, other=0.0)
+    else:
+        pp = p_ptr + ((i_h * M + om[:, None]) * M + om[None, :]) * 2
+        pr, pi = tl.load(pp, mask=mp, other=0.0), tl.load(pp + 1, mask=mp, other=0.0)
+    yr = tl.dot(xr, pr, input_precision=PREC) - tl.dot(xi, pi, input_precision=PREC)
+    yi = tl.dot(xr, pi, input_precision=PREC) + tl.dot(xi, pr, input_precision=PREC)
+    return yr, yi
+
+
+@triton.jit
 def _b_modes2(b_ptr, i_h, M, BM: tl.constexpr):
     """Mode and part (0 real, 1 imaginary) of each of 2 BM interleaved columns, the mode mask, and b (re, im) per
     column."""
@@ -515,6 +545,26 @@ def _fwd_o_stacked(v_ptr, o_ptr, gb, b_ptr, pw, ar, ai, rows, ok, oc, om, mm, i_
 def _bwd_a_kernel(q_ptr, k_ptr, v_ptr, do_ptr, ub_ptr, gb_ptr, b_ptr, pw_ptr, a_ptr, da_ptr, part_ptr, T, NC, H, M,
                   K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
                   BV: tl.constexpr, PREC: tl.constexpr):
+    _bwd_a(q_ptr, k_ptr, v_ptr, do_ptr, ub_ptr, gb_ptr, b_ptr, pw_ptr, a_ptr, da_ptr, part_ptr, b_ptr, a_ptr, da_ptr,
+           T, NC, H, M, K, V, C, BM, BK, BV, PREC, False)
+
+
+@triton.jit
+def _bwd_a_mixed_kernel(q_ptr, k_ptr, v_ptr, do_ptr, ub_ptr, gb_ptr, b_ptr, pw_ptr, a_ptr, da_ptr, part_ptr, p_ptr,
+                        araw_ptr, dar_ptr, T, NC, H, M, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
+                        BM: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr):
+    """_bwd_a_kernel with the readout P: also stores the unmixed a and d(a P) (araw, dar) for dP on the host."""
+    _bwd_a(q_ptr, k_ptr, v_ptr, do_ptr, ub_ptr, gb_ptr, b_ptr, pw_ptr, a_ptr, da_ptr, part_ptr, p_ptr, araw_ptr,
+           dar_ptr, T, NC, H, M, K, V, C, BM, BK, BV, PREC, True)
+
+
+@triton.jit
+def _bwd_a(q_ptr, k_ptr, v_ptr, do_ptr, ub_ptr, gb_ptr, b_ptr, pw_ptr, a_ptr, da_ptr, part_ptr, p_ptr, araw_ptr,
+           dar_ptr, T, NC, H, M, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BM: tl.constexpr,
+           BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr, MIXED: tl.constexpr):
+    """a and da per token plus the intra-chunk parameter partials. MIXED (a readout P, o = Re(a P conj Gamma)): the
+    dO side's readout is d(a P); the q side takes da = d(a P) P^H and the Gamma side a P, so a_ptr gets a P and
+    da_ptr da, and the scans and gradient launches after this one run unchanged."""
     ic, i_bh, i_h, oc, ok, rows, om, mm, pw, br, bi = _chunk_program(b_ptr, pw_ptr, T, H, M, C, BM)
     DT = q_ptr.dtype.element_ty
     br = br[None, :]
@@ -525,6 +575,13 @@ def _bwd_a_kernel(q_ptr, k_ptr, v_ptr, do_ptr, ub_ptr, gb_ptr, b_ptr, pw_ptr, a_
     gr, gi, pgr, pgi, shd = _readout_a(do_ptr, v_ptr, gb, pw, br, bi, rows, ok, oc, om, mm, M, V, C, BV, BM, PREC)
     out = rows[:, None] * 2 * M + om[None, :]
     mo = ok[:, None] & mm[None, :]
+    if MIXED:
+        tl.store(araw_ptr + out, ar, mask=mo)
+        tl.store(araw_ptr + out + M, ai, mask=mo)
+        tl.store(dar_ptr + out, gr, mask=mo)
+        tl.store(dar_ptr + out + M, gi, mask=mo)
+        ar, ai = _mix_modes(ar, ai, p_ptr, i_h, om, mm, M, PREC, False)
+        gr, gi = _mix_modes(gr, gi, p_ptr, i_h, om, mm, M, PREC, True)
     tl.store(a_ptr + out, ar.to(a_ptr.dtype.element_ty), mask=mo)
     tl.store(a_ptr + out + M, ai.to(a_ptr.dtype.element_ty), mask=mo)
     tl.store(da_ptr + out, gr.to(da_ptr.dtype.element_ty), mask=mo)
@@ -735,6 +792,9 @@ FWD_STACK_BELOW = 64
 SCAN_SEGMENT, SCAN_SEGMENT_BELOW, SCAN_SEGMENT_ABOVE = 32, 512, 128
 # a scan's (mode, feature) state tile per program, before narrowing for few rows
 SCAN_TILE = (32, 64)
+# The readout kernels (_fwd_mixed_kernel, _bwd_a_mixed_kernel) are checked under the interpreter only: until the
+# GPU tests pass on the H200, a readout on the GPU runs the torch path (torch_chunk.py) instead
+READOUT_ON_GPU = False
 
 
 def powers(decay: torch.Tensor, C: int) -> torch.Tensor:
@@ -813,8 +873,9 @@ def _sizes(q, v, b):
                 BK=min(_next_pow2(q.shape[-1], lo_d), 64), BV=min(_next_pow2(v.shape[-1], lo_d), 64), PREC=_prec(q))
 
 
-def interdomain_fwd(q, k, v, decay, b, u0=None, g0=None, chunk_size=64):
-    """Forward. q, k [B, T, H, K], v [B, T, H, V]; u0/g0 [B, H, 2, M, K/V] fp32 or None.
+def interdomain_fwd(q, k, v, decay, b, u0=None, g0=None, chunk_size=64, p=None):
+    """Forward. q, k [B, T, H, K], v [B, T, H, V]; u0/g0 [B, H, 2, M, K/V] fp32 or None; p: the readout's
+    P = C^T conj(C) as [H, M, M, 2] fp32, or None (identity).
 
     Returns o [B, T, H, V], the final U, G [B, H, 2, M, K/V] fp32 and the U and G scans' segment start states (None
     unsegmented; small: one state per SCAN_SEGMENT chunks) for the backward."""
@@ -825,14 +886,19 @@ def interdomain_fwd(q, k, v, decay, b, u0=None, g0=None, chunk_size=64):
     gb, gf, sg = scan(v, b, pw, decay, C, x0=g0)
     o = torch.empty_like(v)
     sizes = _sizes(q, v, b)
-    _fwd_kernel[(NC, B * H)](q, k, v, ub, gb, b, pw, o, T, NC, H, M, C=C, **sizes,
-                             STACK=sizes["BM"] < FWD_STACK_BELOW, num_warps=NUM_WARPS["fwd"])
+    if p is None:
+        _fwd_kernel[(NC, B * H)](q, k, v, ub, gb, b, pw, o, T, NC, H, M, C=C, **sizes,
+                                 STACK=sizes["BM"] < FWD_STACK_BELOW, num_warps=NUM_WARPS["fwd"])
+    else:
+        _fwd_mixed_kernel[(NC, B * H)](q, k, v, ub, gb, b, pw, p, o, T, NC, H, M, C=C, **sizes,
+                                       num_warps=NUM_WARPS["fwd"])
     return o, uf, gf, (su, sg)
 
 
-def interdomain_bwd(q, k, v, decay, b, u0, g0, do, duf, dgf, chunk_size=64, starts=(None, None)):
-    """Backward: dq, dk, dv, ddecay, db, du0, dg0 (du0/dg0 None when there was no initial state). starts: the
-    forward's segment start states (interdomain_fwd), so that recomputing its states takes one pass over k and v."""
+def interdomain_bwd(q, k, v, decay, b, u0, g0, do, duf, dgf, chunk_size=64, starts=(None, None), p=None):
+    """Backward: dq, dk, dv, ddecay, db, du0, dg0 (du0/dg0 None when there was no initial state), dp (None without
+    a readout). starts: the forward's segment start states (interdomain_fwd), so that recomputing its states takes
+    one pass over k and v."""
     B, T, H, _ = q.shape
     C, M, NC = chunk_size, b.shape[1], triton.cdiv(T, chunk_size)
     pw = powers(decay, C)
@@ -844,8 +910,17 @@ def interdomain_bwd(q, k, v, decay, b, u0, g0, do, duf, dgf, chunk_size=64, star
     da = q.new_empty(B, T, H, 2, M, dtype=cdt)
     part_a = q.new_empty(B, H, NC, 4, M, dtype=torch.float32)
     sizes = _sizes(q, v, b)
-    _bwd_a_kernel[(NC, B * H)](q, k, v, do, ub, gb, b, pw, a, da, part_a, T, NC, H, M, C=C, **sizes,
-                               num_warps=NUM_WARPS["bwd_a"])
+    dp = None
+    if p is None:
+        _bwd_a_kernel[(NC, B * H)](q, k, v, do, ub, gb, b, pw, a, da, part_a, T, NC, H, M, C=C, **sizes,
+                                   num_warps=NUM_WARPS["bwd_a"])
+    else:
+        araw, dar = torch.empty_like(a, dtype=torch.float32), torch.empty_like(a, dtype=torch.float32)
+        _bwd_a_mixed_kernel[(NC, B * H)](q, k, v, do, ub, gb, b, pw, a, da, part_a, p, araw, dar, T, NC, H, M, C=C,
+                                         **sizes, num_warps=NUM_WARPS["bwd_a"])
+        # dP[m, n] = sum over tokens of conj(a_m) d(a P)_n
+        cplx = lambda x: torch.complex(x[..., 0, :], x[..., 1, :])  # noqa: E731
+        dp = torch.view_as_real(torch.einsum("bthm,bthn->hmn", cplx(araw).conj(), cplx(dar)))
     rub, du0, _ = scan(q, b, pw, decay, C, c=da, x0=duf, rev=True)
     rgb, dg0, _ = scan(do, b, pw, decay, C, c=a, x0=dgf, rev=True)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
@@ -856,7 +931,7 @@ def interdomain_bwd(q, k, v, decay, b, u0, g0, do, duf, dgf, chunk_size=64, star
     sums = (part_a.double() + part_m.double().sum(0)).sum((0, 2))  # [H, 4, M]
     ddecay = torch.stack((sums[:, 2], sums[:, 3]), -1).float()
     dbb = torch.stack((sums[:, 0], sums[:, 1]), -1).float()
-    return dq, dk, dv, ddecay, dbb, du0 if u0 is not None else None, dg0 if g0 is not None else None
+    return dq, dk, dv, ddecay, dbb, du0 if u0 is not None else None, dg0 if g0 is not None else None, dp
 
 
 def _interpret() -> bool:
@@ -879,18 +954,18 @@ class InterdomainFunction(torch.autograd.Function):
     recomputes the chunk-boundary states from them."""
 
     @staticmethod
-    def forward(ctx, q, k, v, decay, b, u0, g0, chunk_size):
-        o, uf, gf, starts = interdomain_fwd(q, k, v, decay, b, u0, g0, chunk_size)
-        ctx.save_for_backward(q, k, v, decay, b, u0, g0, *starts)
+    def forward(ctx, q, k, v, decay, b, u0, g0, chunk_size, p=None):
+        o, uf, gf, starts = interdomain_fwd(q, k, v, decay, b, u0, g0, chunk_size, p)
+        ctx.save_for_backward(q, k, v, decay, b, u0, g0, p, *starts)
         ctx.chunk_size = chunk_size
         return o, uf, gf
 
     @staticmethod
     def backward(ctx, do, duf, dgf):
-        q, k, v, decay, b, u0, g0, su, sg = ctx.saved_tensors
-        grads = interdomain_bwd(q, k, v, decay, b, u0, g0, do.contiguous(), _opt(duf), _opt(dgf), ctx.chunk_size,
-                                (su, sg))
-        return (*grads, None)
+        q, k, v, decay, b, u0, g0, p, su, sg = ctx.saved_tensors
+        *grads, dp = interdomain_bwd(q, k, v, decay, b, u0, g0, do.contiguous(), _opt(duf), _opt(dgf),
+                                     ctx.chunk_size, (su, sg), p)
+        return (*grads, None, dp)
 
 
 def _opt(t):

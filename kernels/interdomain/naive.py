@@ -5,7 +5,7 @@ EPS = 1e-6
 
 
 def interdomain_attention_naive(q, k, v, decay, b, initial_state=None, output_final_state=False,
-                                normalize=False, eps=EPS):
+                                normalize=False, eps=EPS, readout=None):
     """Token-by-token recurrence in complex64 (fp32 parts); differentiable through torch autograd.
 
     Args:
@@ -14,6 +14,8 @@ def interdomain_attention_naive(q, k, v, decay, b, initial_state=None, output_fi
         decay: [H, M, 2] = (log|lambda| <= 0, arg lambda).
         b: [H, M, 2] = (Re b, Im b).
         initial_state: (U [B, H, M, 2, K], G [B, H, M, 2, V]) plus eta [B, H, M, 2] when `normalize`.
+        readout: C [H, M, M, 2] = (Re C, Im C) or None (identity): the query reads C U_t and C Gamma_t (and the
+            denominator C eta_t); the state stays the unmixed U, Gamma, eta.
     Returns:
         o [B, T, H, V] in v's dtype, and the final state in the same layout (or None).
     """
@@ -30,15 +32,17 @@ def interdomain_attention_naive(q, k, v, decay, b, initial_state=None, output_fi
     else:
         u, g = _to_complex(initial_state[0]), _to_complex(initial_state[1])
         eta = _to_complex(initial_state[2][..., None]) if normalize else None
+    mix = (lambda x: x) if readout is None else _mixer(readout)
     outs = []
     for t in range(T):
         u = lam * u + bc * kf[:, t, :, None, :]
         g = lam * g + bc * vf[:, t, :, None, :]
-        a = (qf[:, t, :, None, :] * u).sum(-1, keepdim=True)  # [B, H, M, 1]
-        o = (a.real * g.real + a.imag * g.imag).sum(2)  # [B, H, V]
+        a, gm = (qf[:, t, :, None, :] * mix(u)).sum(-1, keepdim=True), mix(g)  # a [B, H, M, 1]
+        o = (a.real * gm.real + a.imag * gm.imag).sum(2)  # [B, H, V]
         if normalize:
             eta = lam * eta + bc
-            den = (a.real * eta.real + a.imag * eta.imag).sum(2)  # [B, H, 1]
+            em = mix(eta)
+            den = (a.real * em.real + a.imag * em.imag).sum(2)  # [B, H, 1]
             o = o / (den + eps * sign_nonzero(den))
         outs.append(o)
     o = torch.stack(outs, 1).to(v.dtype)
@@ -48,6 +52,12 @@ def interdomain_attention_naive(q, k, v, decay, b, initial_state=None, output_fi
     if normalize:
         state = state + (torch.stack((eta.real[..., 0], eta.imag[..., 0]), -1),)
     return o, state
+
+
+def _mixer(readout):
+    """x [B, H, M, D] complex -> C x along the mode axis (C [H, M, M] complex from [H, M, M, 2] pairs)."""
+    c = torch.complex(readout[..., 0].float(), readout[..., 1].float())
+    return lambda x: torch.einsum("hmn,bhnd->bhmd", c, x)
 
 
 def sign_nonzero(x):

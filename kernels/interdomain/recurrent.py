@@ -16,8 +16,9 @@ from .naive import EPS
 
 @triton.jit
 def _token(q_ptr, k_ptr, v_ptr, o_ptr, pqk, pvo, t, H, K, V, mk, mv, eps, lr, li, br, bi, ur, ui, gr, gi, er, ei,
-           NORMALIZE: tl.constexpr):
-    """Token t: advance U, the Gamma tile and eta by one step, then write o_t's V tile."""
+           pr, pi, NORMALIZE: tl.constexpr, HAS_READOUT: tl.constexpr):
+    """Token t: advance U, the Gamma tile and eta by one step, then write o_t's V tile (with a readout C, read by
+    a P, P = C^T conj(C): README.md, "Full readout")."""
     qt = tl.load(q_ptr + pqk + t * H * K, mask=mk, other=0.0).to(tl.float32)[None, :]
     kt = tl.load(k_ptr + pqk + t * H * K, mask=mk, other=0.0).to(tl.float32)[None, :]
     vt = tl.load(v_ptr + pvo + t * H * V, mask=mv, other=0.0).to(tl.float32)[None, :]
@@ -25,6 +26,9 @@ def _token(q_ptr, k_ptr, v_ptr, o_ptr, pqk, pvo, t, H, K, V, mk, mv, eps, lr, li
     ur, ui = lr2 * ur - li2 * ui + br2 * kt, lr2 * ui + li2 * ur + bi2 * kt
     gr, gi = lr2 * gr - li2 * gi + br2 * vt, lr2 * gi + li2 * gr + bi2 * vt
     ar, ai = tl.sum(ur * qt, axis=1), tl.sum(ui * qt, axis=1)
+    if HAS_READOUT:
+        ar, ai = (tl.sum(ar[:, None] * pr - ai[:, None] * pi, axis=0),
+                  tl.sum(ar[:, None] * pi + ai[:, None] * pr, axis=0))
     o = tl.sum(ar[:, None] * gr + ai[:, None] * gi, axis=0)
     if NORMALIZE:
         er, ei = lr * er - li * ei + br, lr * ei + li * er + bi
@@ -35,10 +39,11 @@ def _token(q_ptr, k_ptr, v_ptr, o_ptr, pqk, pvo, t, H, K, V, mk, mv, eps, lr, li
 
 
 @triton.jit
-def _fused_recurrent_fwd_kernel(q_ptr, k_ptr, v_ptr, decay_ptr, b_ptr, u0_ptr, g0_ptr, e0_ptr,
+def _fused_recurrent_fwd_kernel(q_ptr, k_ptr, v_ptr, decay_ptr, b_ptr, u0_ptr, g0_ptr, e0_ptr, p_ptr,
                                 o_ptr, uf_ptr, gf_ptr, ef_ptr, T, H, M, K, V, eps,
                                 BM: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, HAS_INIT: tl.constexpr,
-                                NORMALIZE: tl.constexpr, STORE_FINAL: tl.constexpr, INTERPRET: tl.constexpr):
+                                NORMALIZE: tl.constexpr, STORE_FINAL: tl.constexpr, INTERPRET: tl.constexpr,
+                                HAS_READOUT: tl.constexpr = False):
     i_v, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
     om, ok = tl.arange(0, BM), tl.arange(0, BK)
@@ -50,6 +55,12 @@ def _fused_recurrent_fwd_kernel(q_ptr, k_ptr, v_ptr, decay_ptr, b_ptr, u0_ptr, g
     lr, li = tl.exp(al) * tl.cos(th), tl.exp(al) * tl.sin(th)
     br = tl.load(b_ptr + (i_h * M + om) * 2, mask=mm, other=0.0)
     bi = tl.load(b_ptr + (i_h * M + om) * 2 + 1, mask=mm, other=0.0)
+    if HAS_READOUT:
+        pp = ((i_h * M + om[:, None]) * M + om[None, :]) * 2
+        pr = tl.load(p_ptr + pp, mask=mm[:, None] & mm[None, :], other=0.0)
+        pi = tl.load(p_ptr + pp + 1, mask=mm[:, None] & mm[None, :], other=0.0)
+    else:
+        pr, pi = lr, li  # unused
 
     pu = (i_bh * M + om[:, None]) * 2 * K + ok[None, :]
     pg = (i_bh * M + om[:, None]) * 2 * V + ov[None, :]
@@ -72,12 +83,12 @@ def _fused_recurrent_fwd_kernel(q_ptr, k_ptr, v_ptr, decay_ptr, b_ptr, u0_ptr, g
         t = 0
         while t < T:
             ur, ui, gr, gi, er, ei = _token(q_ptr, k_ptr, v_ptr, o_ptr, pqk, pvo, t, H, K, V, mk, mv, eps, lr, li,
-                                            br, bi, ur, ui, gr, gi, er, ei, NORMALIZE)
+                                            br, bi, ur, ui, gr, gi, er, ei, pr, pi, NORMALIZE, HAS_READOUT)
             t += 1
     else:
         for t in range(T):
             ur, ui, gr, gi, er, ei = _token(q_ptr, k_ptr, v_ptr, o_ptr, pqk, pvo, t, H, K, V, mk, mv, eps, lr, li,
-                                            br, bi, ur, ui, gr, gi, er, ei, NORMALIZE)
+                                            br, bi, ur, ui, gr, gi, er, ei, pr, pi, NORMALIZE, HAS_READOUT)
 
     if STORE_FINAL:
         tl.store(gf_ptr + pg, gr, mask=mg)
@@ -88,6 +99,11 @@ def _fused_recurrent_fwd_kernel(q_ptr, k_ptr, v_ptr, decay_ptr, b_ptr, u0_ptr, g
             if NORMALIZE:
                 tl.store(ef_ptr + pe, er, mask=mm)
                 tl.store(ef_ptr + pe + 1, ei, mask=mm)
+
+
+# the fused kernel applies the readout (a P per token, P [M, M] complex in registers); False: a readout decodes on
+# the chunk op's torch path instead
+FUSED_READOUT = True
 
 
 def launch_config(B, H, M, K, V, block_v=None):
@@ -103,7 +119,7 @@ def launch_config(B, H, M, K, V, block_v=None):
 
 
 def interdomain_recurrent_fwd(q, k, v, decay, b, initial_state, normalize, output_final_state=True,
-                              block_v=None):
+                              block_v=None, readout=None):
     """Fused recurrent forward on checked inputs. q, k [B, T, H, K]; v [B, T, H, V]; returns o, final state."""
     B, T, H, K = q.shape
     V, M = v.shape[-1], decay.shape[1]
@@ -116,52 +132,64 @@ def interdomain_recurrent_fwd(q, k, v, decay, b, initial_state, normalize, outpu
     init = [s.contiguous() for s in initial_state] if initial_state is not None else [uf, gf, ef]
     e0 = init[2] if normalize else init[0]
     grid = (triton.cdiv(V, cfg["BV"]), B * H)
+    extra = {}
+    if readout is not None:
+        from . import _readout_p
+
+        p = _readout_p(readout)
+        extra = dict(HAS_READOUT=True)
     _fused_recurrent_fwd_kernel[grid](q, k, v, decay.contiguous(), b.contiguous(), init[0], init[1], e0,
-                                      o, uf, gf, ef, T, H, M, K, V, EPS, HAS_INIT=initial_state is not None,
-                                      NORMALIZE=normalize, STORE_FINAL=output_final_state,
-                                      INTERPRET=_interpret(), **cfg)
+                                      p if readout is not None else e0, o, uf, gf, ef, T, H, M, K, V, EPS,
+                                      HAS_INIT=initial_state is not None, NORMALIZE=normalize,
+                                      STORE_FINAL=output_final_state, INTERPRET=_interpret(), **cfg, **extra)
     if not output_final_state:
         return o, None
     return o, (uf, gf, ef) if normalize else (uf, gf)
 
 
-def interdomain_recurrent(q, k, v, decay, b, initial_state=None, normalize=None):
+def interdomain_recurrent(q, k, v, decay, b, initial_state=None, normalize=None, readout=None):
     """Interdomain Attention for short prompts and decoding, token by token in one fused kernel.
 
     Forward only: under grad mode with any input requiring grad the call goes to the differentiable chunk op
-    `interdomain_attention` (same definition, same results within fp32 rounding).
+    `interdomain_attention` (same definition, same results within fp32 rounding). On a CPU tensor outside the
+    Triton interpreter the chunk op's torch path runs instead of the fused kernel (one chunk of T tokens for
+    T <= 64). A readout is applied in the kernel (a P per token) unless FUSED_READOUT is off.
 
     Args:
         q, k: [B, T, H, K]; v: [B, T, H, V] (fp32, bf16 or fp16, one dtype); decay, b: [H, M, 2] fp32.
         initial_state: None (zeros) or (U [B, H, M, 2, K], G [B, H, M, 2, V]) fp32, plus eta [B, H, M, 2]
             for the normalized readout.
         normalize: the normalized readout; None means "initial_state has eta".
+        readout: C [H, M, M, 2] fp32 or None (identity), as in `interdomain_attention`.
     Returns:
         o [B, T, H, V] in v's dtype and the final state in initial_state's layout.
     """
     # imported here: the package's __init__ imports this module
-    from . import check_inputs, interdomain_attention
+    from . import check_inputs, interdomain_attention, uses_torch_path
 
     if normalize is None:
         normalize = initial_state is not None and len(initial_state) == 3
-    check_inputs(q, k, v, decay, b, initial_state, normalize, 64)
-    if torch.is_grad_enabled() and any(t.requires_grad for t in [q, k, v, decay, b, *(initial_state or ())]):
-        return interdomain_attention(q, k, v, decay, b, initial_state, True, normalize)
-    return interdomain_recurrent_fwd(q, k, v, decay, b, initial_state, normalize)
+    check_inputs(q, k, v, decay, b, initial_state, normalize, 64, readout)
+    inputs = [q, k, v, decay, b, *(initial_state or ()), *([readout] if readout is not None else [])]
+    torch_path = uses_torch_path(q) or (readout is not None and not FUSED_READOUT)
+    if torch_path or (torch.is_grad_enabled() and any(t.requires_grad for t in inputs)):
+        return interdomain_attention(q, k, v, decay, b, initial_state, True, normalize, readout=readout)
+    return interdomain_recurrent_fwd(q, k, v, decay, b, initial_state, normalize, readout=readout)
 
 
-def interdomain_step(q, k, v, decay, b, state):
+def interdomain_step(q, k, v, decay, b, state, readout=None):
     """One decoding token: the fused recurrent kernel with T = 1.
 
     Args:
         q, k: [B, H, K]; v: [B, H, V]; decay, b: [H, M, 2] fp32.
         state: (U [B, H, M, 2, K], G [B, H, M, 2, V]) fp32, plus eta [B, H, M, 2] for the normalized readout;
             None means a zero state without normalization.
+        readout: C [H, M, M, 2] fp32 or None (identity).
     Returns:
         o [B, H, V] in v's dtype and the new state tuple (new tensors; the inputs are not modified).
     """
     if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
         raise ValueError(f"interdomain_step takes one token: q, k [B, H, K], v [B, H, V] (no T axis); "
                          f"got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
-    o, state = interdomain_recurrent(q[:, None], k[:, None], v[:, None], decay, b, state)
+    o, state = interdomain_recurrent(q[:, None], k[:, None], v[:, None], decay, b, state, readout=readout)
     return o[:, 0], state

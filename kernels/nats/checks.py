@@ -1,15 +1,9 @@
-"""Input checks shared by the NAtS-L ops: value checks cached by tensor version, and the CPU-path choice."""
-import os
+"""Input checks shared by the NAtS-L ops: value checks cached by tensor version."""
 import weakref
 
 import torch
 
 _CHECKED: dict[tuple[int, str], tuple[weakref.ref, int]] = {}
-
-
-def use_torch_path(x: torch.Tensor) -> bool:
-    """CPU tensors run the torch chunk implementation unless TRITON_INTERPRET=1 asks for the Triton kernels."""
-    return x.device.type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") != "1"
 
 
 def check_keep_values(keep: torch.Tensor, op: str) -> None:

@@ -185,9 +185,15 @@ def _check_prefix_files(field_name: str, prefix: str) -> None:
             raise DataError(
                 f"data.{field_name}: {prefix}{ext} does not exist: run `megahybrid data preprocess` or fix the prefix"
             )
-    lengths = _sequence_lengths(prefix)
+    lengths, bin_bytes = _index_summary(prefix)
     if lengths.size == 0 or int(lengths.sum()) == 0:
         raise DataError(f"data.{field_name}: {prefix} holds no tokens: preprocess non-empty input documents")
+    actual = os.path.getsize(prefix + ".bin")
+    if actual != bin_bytes:
+        raise DataError(
+            f"data.{field_name}: {prefix}.bin has {actual} bytes but its .idx describes {bin_bytes} (truncated or "
+            "from another run): preprocess it again"
+        )
 
 
 def _check_prefix_tokenizer(prefix: str, tokenizer_model: str, vocab_size: int) -> None:
@@ -207,14 +213,20 @@ def _check_prefix_tokenizer(prefix: str, tokenizer_model: str, vocab_size: int) 
 
 
 def _sequence_lengths(prefix: str) -> np.ndarray:
+    return _index_summary(prefix)[0]
+
+
+def _index_summary(prefix: str) -> tuple[np.ndarray, int]:
+    """(tokens per sequence, bytes the .bin must have) from the .idx."""
     from megatron.core.datasets.indexed_dataset import _IndexReader, get_idx_path
 
     try:
         reader = _IndexReader(get_idx_path(prefix), multimodal=False)
         # Copy while the reader lives: its __del__ closes the mmap the array views.
         lengths = np.array(reader.sequence_lengths, dtype=np.int64)
+        end = int(reader.sequence_pointers[-1]) + int(lengths[-1]) * reader.dtype_size if lengths.size else 0
         del reader
-        return lengths
+        return lengths, end
     except Exception as err:
         raise DataError(f"{prefix}.idx cannot be read ({err.__class__.__name__}): preprocess it again") from None
 

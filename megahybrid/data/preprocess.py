@@ -6,7 +6,9 @@ unit: "paragraph" (blank-line separated, the default), "line" or "document" (who
 The output is one sequence per document, its tokens followed by EOD, written with megatron-core's
 `IndexedDatasetBuilder`; a sidecar `PREFIX.json` records the tokenizer so training can detect a mismatch.
 """
+import gzip
 import json
+import lzma
 import os
 from collections.abc import Iterator
 
@@ -14,6 +16,7 @@ import numpy as np
 
 from megahybrid.data.config import DataError
 from megahybrid.data.tokenizer import SentencePieceTokenizer, file_sha256, train_sentencepiece
+from megahybrid.outputs import check_writable
 
 _JSON_EXT = (".jsonl", ".json", ".jsonl.gz", ".json.gz", ".jsonl.xz", ".json.xz")
 _PARQUET_EXT = (".parquet",)
@@ -40,6 +43,8 @@ def load_documents(
     try:
         ds = datasets.load_dataset(kind, data_files=list(files), split="train", cache_dir=cache_dir, **kwargs)
     except Exception as err:
+        if kind == "json":
+            _raise_bad_json_line(files)
         raise DataError(f"--input could not be read as {kind} ({_one_line(err)}): check the files") from None
     if kind == "text" and text_key != "text":
         ds = ds.rename_column("text", text_key)
@@ -47,7 +52,34 @@ def load_documents(
         raise DataError(
             f"--text-key {text_key!r} is not a field of the input (fields: {ds.column_names}): set --text-key"
         )
+    _check_text_column(ds, text_key)
     return ds.select_columns([text_key])
+
+
+def _raise_bad_json_line(files: list[str]) -> None:
+    """Name the first line of a .jsonl input that is not one JSON object (datasets' error does not)."""
+    for path in (p for p in files if ".jsonl" in p.lower()):
+        opener = gzip.open if path.endswith(".gz") else lzma.open if path.endswith(".xz") else open
+        with opener(path, "rt", encoding="utf-8", errors="replace") as f:
+            for number, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    json.loads(line)
+                except ValueError as err:
+                    raise DataError(f"--input: {path} line {number} is not valid JSON ({err.msg}): fix or remove "
+                                    "that line") from None
+
+
+def _check_text_column(ds, text_key: str) -> None:
+    """Every document's text must be a string (or null); json lets a field hold numbers or lists."""
+    feature = ds.features[text_key]
+    if getattr(feature, "dtype", None) in ("string", "large_string"):
+        return
+    for number, value in enumerate(ds[text_key], 1):
+        if value is not None and not isinstance(value, str):
+            raise DataError(f"--input: record {number} has {text_key}={value!r} ({type(value).__name__}), not a "
+                            f"string: fix the input or choose the text field with --text-key")
 
 
 def iter_texts(
@@ -68,6 +100,7 @@ def train_tokenizer(
     cache_dir: str | None = None,
 ) -> str:
     """Train a SentencePiece model on local files; returns the path of `output_prefix.model`."""
+    check_writable("--output directory", os.path.dirname(os.path.abspath(output_prefix)), DataError)
     texts = iter_texts(files, text_key, text_sample_by, cache_dir)
     return train_sentencepiece(texts, output_prefix, vocab_size, max_sentences=max_sentences)
 
@@ -108,6 +141,8 @@ def preprocess(
         raise DataError(f"--tokenizer: {tokenizer_model} does not exist: train one with `megahybrid data tokenizer`")
     if workers < 1:
         raise DataError(f"--workers is {workers}: use 1 or more")
+    SentencePieceTokenizer(tokenizer_model)
+    check_writable("--output-prefix directory", os.path.dirname(os.path.abspath(output_prefix)), DataError)
     docs = load_documents(files, text_key, text_sample_by, cache_dir)
     return preprocess_dataset(docs, tokenizer_model, output_prefix, workers, text_key)
 

@@ -34,7 +34,13 @@ class SentencePieceTokenizer:
 
     def __init__(self, model_path: str):
         self.model_path = model_path
-        self._sp = spm.SentencePieceProcessor(model_file=model_path)
+        try:
+            self._sp = spm.SentencePieceProcessor(model_file=model_path)
+        except (RuntimeError, OSError) as err:
+            from megahybrid.data.config import DataError
+
+            raise DataError(f"tokenizer {model_path} is not a SentencePiece model ({str(err).splitlines()[0][:120]}): "
+                            "give the .model file written by `megahybrid data tokenizer`") from None
         self.sha256 = file_sha256(model_path)
         self.unique_identifiers = OrderedDict(
             [("class", type(self).__name__), ("sha256", self.sha256), ("vocab_size", self.vocab_size)]

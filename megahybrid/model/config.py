@@ -7,6 +7,8 @@ from megahybrid.errors import ConfigError
 
 RECOMPUTE = ("none", "selective", "full")
 RECOMPUTE_MODULES = ("core_attn", "mlp")
+# Fields that change how a model is initialized or run, not its weights: a checkpoint resumes across them.
+NOT_IN_WEIGHTS = ("init_std", "recompute", "recompute_modules", "recompute_num_layers")
 
 
 @dataclass

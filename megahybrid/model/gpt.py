@@ -16,7 +16,12 @@ from megahybrid.parallel import ParallelLayout
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-def transformer_config(cfg: ModelConfig, layout: ParallelLayout, precision: str = "fp32") -> TransformerConfig:
+def _skip_init(weight: torch.Tensor) -> None:
+    """An init method that leaves the weight as allocated (the caller loads it)."""
+
+
+def transformer_config(cfg: ModelConfig, layout: ParallelLayout, precision: str = "fp32",
+                       initialize: bool = True) -> TransformerConfig:
     dtype = DTYPES[precision]
     return TransformerConfig(
         num_layers=cfg.num_layers,
@@ -38,6 +43,9 @@ def transformer_config(cfg: ModelConfig, layout: ParallelLayout, precision: str 
         sequence_parallel=layout.sequence_parallel,
         # Initialize every full weight on the CPU from one seed, then shard: the same model for any TP size.
         use_cpu_initialization=True,
+        # Without initialize the init methods do nothing; megatron still tags the TP partition of each weight.
+        **({} if initialize else dict.fromkeys(("init_method", "output_layer_init_method", "embedding_init_method"),
+                                              _skip_init)),
         params_dtype=dtype,
         bf16=precision == "bf16",
         pipeline_dtype=dtype,
@@ -62,12 +70,13 @@ def recompute_fields(cfg: ModelConfig) -> dict:
     return {}
 
 
-def build_model(cfg: ModelConfig, layout: ParallelLayout, precision: str = "fp32") -> GPTModel:
-    """The decoder for this rank's shard, on the current device. forward(tokens, labels) -> per-token loss [b, s]."""
+def build_model(cfg: ModelConfig, layout: ParallelLayout, precision: str = "fp32", initialize: bool = True) -> GPTModel:
+    """The decoder for this rank's shard, on the current device. forward(tokens, labels) -> per-token loss [b, s].
+    `initialize=False` leaves the weights uninitialized (fast) for callers that load them right after."""
     layout.check_model(cfg.num_heads, cfg.kv_heads, cfg.seq_length, max_chunk_size(cfg.pattern))
     check_context_parallel(cfg.pattern, layout.cp)
     model = GPTModel(
-        config=transformer_config(cfg, layout, precision),
+        config=transformer_config(cfg, layout, precision, initialize),
         transformer_layer_spec=block_spec(cfg),
         vocab_size=cfg.vocab_size,
         max_sequence_length=cfg.seq_length,

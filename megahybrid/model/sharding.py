@@ -35,3 +35,9 @@ def full_named_tensors(model: torch.nn.Module, tp_group, grads: bool = False) ->
             continue
         out[name] = gather_full(source, param, tp_group).float().cpu()
     return out
+
+
+def shard_of(full: torch.Tensor, dim: int, stride: int, world: int, rank: int) -> torch.Tensor:
+    """Rank `rank`'s shard of a full tensor: the inverse of merge_shards (pieces rank, rank + world, ...)."""
+    pieces = torch.chunk(full, world * stride, dim=dim)
+    return torch.cat([pieces[rank + k * world] for k in range(stride)], dim=dim)

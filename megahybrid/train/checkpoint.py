@@ -5,7 +5,8 @@ Layout under the checkpoint directory:
         mp_rank_*_model_states.pt, *optim_states.pt   DeepSpeed: model, ZeRO optimizer partitions
         trainer_state.json         step, consumed samples/tokens, data position, LR schedule, skipped steps
         config.yaml                the resolved run config
-        rng/rank_00000.pt          every rank's python / numpy / torch / CUDA / model-parallel RNG states
+        rng/rank_00000.pt          every rank's python / numpy / torch / CUDA / model-parallel RNG states (tensors and
+                                   plain numbers only)
         manifest.json              size + sha256 of every other file; written last inside the directory
     latest                         the tag of the newest complete checkpoint, replaced atomically
     .tmp-step_00000200/            a save in progress (removed at the next start)
@@ -13,12 +14,18 @@ Layout under the checkpoint directory:
 A save writes into `.tmp-<tag>/<tag>`, checksums it, renames it to `<tag>` and only then rewrites `latest`, so a
 kill at any moment leaves the previous checkpoint loadable. Loading verifies the manifest; a missing, partial or
 corrupt candidate gives a warning and the next older one is tried.
+
+Every file is read with `torch.load(weights_only=True)`: tensors, numbers, strings and containers, plus the four
+DeepSpeed classes in DEEPSPEED_GLOBALS. A file that names any other Python object is refused before anything in it
+is constructed (the manifest only catches accidents: whoever can write the checkpoint can rewrite it too).
 """
 import hashlib
 import json
 import os
+import pickle
 import random
 import shutil
+import time
 
 import numpy as np
 import torch
@@ -37,10 +44,14 @@ def tag_for(step: int) -> str:
 
 
 def rng_state() -> dict:
+    """All RNG states as tensors and plain numbers, so that `weights_only=True` can read them back."""
     from megatron.core import tensor_parallel
 
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
     state = {
-        "python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+        "python": random.getstate(), "torch": torch.get_rng_state(),
+        "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+                  "has_gauss": int(has_gauss), "gauss": float(gauss)},
         "tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
     }
     if torch.cuda.is_available():
@@ -52,11 +63,47 @@ def set_rng_state(state: dict) -> None:
     from megatron.core import tensor_parallel
 
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    n = state["numpy"]
+    np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["gauss"]))
     torch.set_rng_state(state["torch"])
     tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
     if torch.cuda.is_available() and "cuda" in state:
         torch.cuda.set_rng_state(state["cuda"])
+
+
+def deepspeed_globals() -> list:
+    """The only classes DeepSpeed 0.19 pickles into the model and ZeRO files we load (ZeRO 1-3, fp32/bf16)."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    return [ZeroStageEnum, LossScaler, DynamicLossScaler, fragment_address]
+
+
+def safe_load(path: str, map_location=None):
+    """torch.load with weights_only=True and the DeepSpeed allow-list; any other global is a one-line UserError."""
+    try:
+        with torch.serialization.safe_globals(deepspeed_globals()):
+            return torch.load(path, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError:
+        allowed = {f"{g.__module__}.{g.__qualname__}" for g in deepspeed_globals()}
+        names = [n for n in torch.serialization.get_unsafe_globals_in_checkpoint(path) if n not in allowed]
+        found = ", ".join(names) or "see torch.load"
+        raise UserError(
+            f"checkpoint file {path} refers to Python objects a checkpoint may not contain ({found}); "
+            "it was not loaded (README 'Checkpoints'): use a checkpoint from a trusted run, or pass --no-resume"
+        ) from None
+
+
+def safe_checkpoint_engine(config_params):
+    """DeepSpeed's torch checkpoint engine with every load going through `safe_load`."""
+    from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
+
+    class SafeTorchCheckpointEngine(TorchCheckpointEngine):
+        def load(self, path: str, map_location=None):
+            return safe_load(path, map_location=map_location)
+
+    return SafeTorchCheckpointEngine(config_params)
 
 
 def _sha256(path: str) -> str:
@@ -66,6 +113,25 @@ def _sha256(path: str) -> str:
             digest.update(block)
         os.fsync(f.fileno())
     return digest.hexdigest()
+
+
+def _write_failure(root: str, err: Exception) -> str | None:
+    """Why a save failed when the directory refuses writes (torch.save reports that as a RuntimeError, so a 1 MiB
+    probe decides); None for any other error."""
+    if isinstance(err, OSError):
+        return err.strerror or str(err)
+    probe = os.path.join(root, f".probe-{os.getpid()}")
+    try:
+        with open(probe, "wb") as f:
+            f.write(bytes(1 << 20))
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as probe_err:
+        return probe_err.strerror or str(probe_err)
+    finally:
+        if os.path.exists(probe):
+            os.remove(probe)
+    return None
 
 
 def _list_files(root: str) -> list[str]:
@@ -83,7 +149,7 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def _all_gather(obj) -> list:
+def all_gather(obj) -> list:
     if not dist.is_initialized():
         return [obj]
     out = [None] * dist.get_world_size()
@@ -115,6 +181,8 @@ class CheckpointManager:
         self.hooks = hooks or (lambda stage, step: None)
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world = dist.get_world_size() if dist.is_initialized() else 1
+        # Checkpoints this run may replace or prune: the ones it wrote or verified; never the unusable ones.
+        self.unusable: set[str] = set()
 
     def clean_stale(self) -> None:
         """Remove unfinished saves left by a killed run."""
@@ -125,6 +193,21 @@ class CheckpointManager:
         _barrier()
 
     def save(self, engine, step: int, trainer_state: dict, config_yaml: str) -> str:
+        """Save step `step`; a failing write (full disk, ...) is one UserError, the previous checkpoint intact."""
+        try:
+            return self._save(engine, step, trainer_state, config_yaml)
+        except (OSError, RuntimeError) as err:
+            reason = _write_failure(self.root, err)
+            if reason is None:
+                raise
+            shutil.rmtree(os.path.join(self.root, TMP_PREFIX + tag_for(step)), ignore_errors=True)
+            previous = self.tags()
+            raise UserError(
+                f"saving checkpoint {tag_for(step)} in {self.root} failed ({reason}); "
+                f"{previous[-1] + ' and latest are' if previous else 'no earlier checkpoint is'} intact: "
+                "free space (or fix the directory) and resume") from None
+
+    def _save(self, engine, step: int, trainer_state: dict, config_yaml: str) -> str:
         tag = tag_for(step)
         tmp_root = os.path.join(self.root, TMP_PREFIX + tag)
         final = os.path.join(self.root, tag)
@@ -146,7 +229,7 @@ class CheckpointManager:
         self._write_manifest(staged, step)
         if self.rank == 0:
             if os.path.isdir(final):
-                shutil.rmtree(final)
+                self._set_aside(tag)
             os.rename(staged, final)
             # DeepSpeed also drops its zero_to_fp32 scripts beside the tag; they are not part of the checkpoint.
             shutil.rmtree(tmp_root)
@@ -162,7 +245,7 @@ class CheckpointManager:
         mine = {rel: {"size": os.path.getsize(os.path.join(staged, rel)), "sha256": _sha256(os.path.join(staged, rel))}
                 for rel in files[self.rank::self.world]}
         entries = {}
-        for part in _all_gather(mine):
+        for part in all_gather(mine):
             entries.update(part)
         if self.rank == 0:
             path = os.path.join(staged, MANIFEST)
@@ -181,8 +264,17 @@ class CheckpointManager:
         os.replace(tmp, os.path.join(self.root, "latest"))
         _fsync_dir(self.root)
 
+    def _set_aside(self, tag: str) -> None:
+        """An older run's checkpoint under the tag being saved: renamed (not deleted) when it was unusable."""
+        if tag not in self.unusable:
+            shutil.rmtree(os.path.join(self.root, tag))
+            return
+        aside = os.path.join(self.root, f"unusable-{tag}-{int(time.time())}")
+        os.rename(os.path.join(self.root, tag), aside)
+        self.warn(f"warning: the unusable checkpoint {tag} was moved to {aside} (kept for you to inspect or delete)")
+
     def _prune(self, keep_tag: str) -> None:
-        tags = self.tags()
+        tags = [t for t in self.tags() if t not in self.unusable]
         for tag in tags[:-self.keep]:
             if tag != keep_tag:
                 shutil.rmtree(os.path.join(self.root, tag), ignore_errors=True)
@@ -211,9 +303,10 @@ class CheckpointManager:
         candidates = _broadcast(self._candidates() if self.rank == 0 else None)
         for tag in candidates:
             problem = self._verify(os.path.join(self.root, tag))
-            problems = [p for p in _all_gather(problem) if p]
+            problems = [p for p in all_gather(problem) if p]
             if not problems:
                 return tag
+            self.unusable.add(tag)
             if self.rank == 0:
                 self.warn(f"warning: checkpoint {tag} is unusable ({problems[0]}); falling back to the previous one")
         return None
@@ -237,6 +330,27 @@ class CheckpointManager:
                 return f"{rel} fails its checksum"
         return None
 
+    def check_model(self, tag: str, model) -> None:
+        """Refuse, before loading, a checkpoint whose model differs from this run's (names every field)."""
+        import dataclasses
+
+        import yaml
+
+        from megahybrid.model.config import NOT_IN_WEIGHTS, preset
+        from megahybrid.train.config import from_dict
+
+        path = os.path.join(self.root, tag, "config.yaml")
+        with open(path) as f:
+            saved_cfg = from_dict(yaml.safe_load(f))
+        saved = dataclasses.asdict(preset(saved_cfg.model.preset, **saved_cfg.model.overrides))
+        ours = dataclasses.asdict(model)
+        changed = [f"model.{k} {saved[k]} -> {ours[k]}" for k in saved
+                   if k not in NOT_IN_WEIGHTS and saved[k] != ours[k]]
+        if changed:
+            raise UserError(
+                f"checkpoint {os.path.join(self.root, tag)} holds another model ({', '.join(changed)}): resume with "
+                "the checkpoint's model settings (its config.yaml), or pass --no-resume with another checkpoint.dir")
+
     def load(self, engine, tag: str, layout: dict) -> dict:
         """Load model + optimizer into `engine`, this rank's RNG states; returns the trainer state.
         The layout (tp/cp/dp) must equal the saving run's: ZeRO partitions and RNG states are per rank."""
@@ -246,11 +360,12 @@ class CheckpointManager:
         if state.get("layout") != layout:
             raise UserError(
                 f"checkpoint {path} was saved with layout {state.get('layout')} but this run has {layout}: resume "
-                "with the same ranks and parallel layout, or pass --no-resume with another checkpoint.dir"
+                "with the same layout, or start a new checkpoint.dir with checkpoint.init_from=<that checkpoint> "
+                "(weights only; see also megahybrid convert)"
             )
         load_path, _ = engine.load_checkpoint(self.root, tag=tag, load_optimizer_states=True,
                                               load_lr_scheduler_states=False)
         if load_path is None:
             raise UserError(f"checkpoint {path} could not be loaded by DeepSpeed: remove it or pass --no-resume")
-        set_rng_state(torch.load(os.path.join(path, "rng", f"rank_{self.rank:05d}.pt"), weights_only=False))
+        set_rng_state(safe_load(os.path.join(path, "rng", f"rank_{self.rank:05d}.pt")))
         return state

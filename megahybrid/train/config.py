@@ -93,6 +93,9 @@ class CheckpointSection:
     interval: int = 500
     keep: int = 3
     resume: bool = True
+    # Start from these weights (a training checkpoint at any layout, a consolidated or Hugging Face directory)
+    # with a fresh optimizer at step 0, unless checkpoint.dir already holds checkpoints to resume.
+    init_from: str | None = None
 
 
 @dataclass
@@ -375,6 +378,16 @@ def load_deepspeed_config(name_or_path: str) -> dict:
         ds = json.loads(path.read_text())
     except ValueError as err:
         raise ConfigError(f"train.deepspeed_config: {path} is not valid JSON ({err}); fix it") from None
+    if not isinstance(ds, dict):
+        raise ConfigError(f"train.deepspeed_config: {path} holds a JSON {type(ds).__name__}, not an object "
+                          '{"zero_optimization": {...}, ...}; see ds_configs/zero1.json')
+    checkpoint = ds.get("checkpoint") if isinstance(ds.get("checkpoint"), dict) else {}
+    engines = [key for key in ("writer", "load_universal") if checkpoint.get(key)]
+    if engines or ds.get("datastates_ckpt"):
+        raise ConfigError(
+            f"train.deepspeed_config: {path} selects another checkpoint engine ({engines or ['datastates_ckpt']}); "
+            "checkpoints are ours (README 'Checkpoints'): remove the setting"
+        )
     owned = [key for key in OWNED_DS_KEYS if key in ds]
     if owned:
         raise ConfigError(

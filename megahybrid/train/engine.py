@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 
 from megahybrid.distributed import Groups
+from megahybrid.train.checkpoint import safe_checkpoint_engine
 
 
 class MegatronMPU:
@@ -145,4 +146,6 @@ def build_engine(model, cfg, groups: Groups, ds_base: dict, precision: str):
     )
     ds = deepspeed_config(ds_base, cfg, groups.layout, precision)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds, mpu=MegatronMPU(groups))
+    # DeepSpeed's own engine unpickles with weights_only=False; ours refuses files that name Python objects.
+    engine.checkpoint_engine = safe_checkpoint_engine(engine._config)
     return engine, optimizer, ds

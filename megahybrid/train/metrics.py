@@ -55,10 +55,7 @@ def format_duration(seconds: float) -> str:
 
 class TrainLogger:
     """Writes on the logging rank only: TensorBoard scalars, `metrics.jsonl` (one record per logged step) and a
-    console progress line with ETA. Other ranks get a logger whose methods do nothing.
-
-    A record holding device tensors is written at the next call (or at close), so that reading them does not
-    make the host wait for the step that produced them."""
+    console progress line with ETA. Other ranks get a logger whose methods do nothing."""
 
     def __init__(self, enabled: bool, run_dir: str, tb_dir: str | None, total_steps: int):
         self.enabled = enabled
@@ -67,7 +64,6 @@ class TrainLogger:
         self.jsonl = None
         self.start_time = time.monotonic()
         self.start_step = None
-        self.pending = None
         if not enabled:
             return
         os.makedirs(run_dir, exist_ok=True)
@@ -85,22 +81,9 @@ class TrainLogger:
         if self.writer:
             self.writer.add_text(tag, text.replace("\n", "  \n"), 0)
 
-    def scalars(self, step: int, values: dict) -> None:
+    def scalars(self, step: int, values: dict[str, float]) -> None:
         if not self.enabled or not values:
             return
-        self.write_pending()
-        if any(isinstance(v, torch.Tensor) for v in values.values()):
-            self.pending = (step, values)
-        else:
-            self._write(step, values)
-
-    def write_pending(self) -> None:
-        if self.pending is not None:
-            step, values = self.pending
-            self.pending = None
-            self._write(step, {k: float(v) for k, v in values.items()})
-
-    def _write(self, step: int, values: dict[str, float]) -> None:
         if self.writer:
             for key, value in values.items():
                 if value is not None and math.isfinite(value):
@@ -113,7 +96,6 @@ class TrainLogger:
         """One console line: step/total, loss, lr, throughput, MFU, skipped steps and ETA."""
         if not self.enabled:
             return
-        values = {k: float(v) for k, v in values.items()}  # device tensors: read here, every logging.interval
         now = time.monotonic()
         if self.start_step is None:
             self.start(step - 1)
@@ -132,7 +114,6 @@ class TrainLogger:
             self.writer.flush()
 
     def close(self) -> None:
-        self.write_pending()
         if self.writer:
             self.writer.close()
         if self.jsonl:

@@ -2,8 +2,9 @@
 logging, evaluation, checkpoints, signal handling and non-finite-loss skipping.
 
 Exit codes (also in megahybrid/train/README.md): 0 finished; 1 crashed; 2 user error (config, data, launch,
-checkpoint); 3 stopped by SIGTERM/SIGUSR1 after saving a checkpoint (requeue and it resumes); 4 stopped after
-`train.max_consecutive_nonfinite` non-finite losses in a row (checkpoint saved).
+checkpoint, output directories); 3 stopped by SIGTERM/SIGUSR1/Ctrl-C after saving a checkpoint, or during start-up
+with nothing to save (requeue and it resumes); 4 stopped after `train.max_consecutive_nonfinite` non-finite losses
+or gradient norms in a row (checkpoint saved); 130 a second Ctrl-C aborted without saving.
 """
 import json
 import logging
@@ -19,14 +20,16 @@ import torch
 import torch.distributed as dist
 
 from megahybrid.errors import UserError
-from megahybrid.train.checkpoint import TRAINER_STATE, CheckpointManager
+from megahybrid.outputs import check_writable
+from megahybrid.train import rundir
+from megahybrid.train.checkpoint import TRAINER_STATE, CheckpointManager, all_gather
 from megahybrid.train.config import RunConfig, resolved_compile, validate, zero_stage
 from megahybrid.train.data import build_splits, prepare_data, train_loader, valid_loader
 from megahybrid.train.engine import LRSchedule, build_engine, set_lr
 from megahybrid.train.metrics import TrainLogger, flops_per_token, memory_mib, model_metrics, say
+from megahybrid.train.signals import EXIT_ABORTED, EXIT_REQUEUE, install_stop_handlers
 
-EXIT_OK, EXIT_CRASH, EXIT_USER_ERROR, EXIT_REQUEUE, EXIT_NONFINITE = 0, 1, 2, 3, 4
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+EXIT_OK, EXIT_CRASH, EXIT_USER_ERROR, EXIT_NONFINITE = 0, 1, 2, 4
 
 
 @dataclass
@@ -49,22 +52,6 @@ def make_plan(cfg: RunConfig, world_size: int) -> Plan:
     return Plan(cfg, model, layout, ds_base, precision, data, world_size)
 
 
-class StopRequest:
-    """Records SIGTERM / SIGUSR1; the loop finishes its step, saves and exits with EXIT_REQUEUE."""
-
-    def __init__(self):
-        self.signal_name = None
-        for sig in STOP_SIGNALS:
-            signal.signal(sig, self._handle)
-
-    def _handle(self, signum, frame):
-        self.signal_name = signal.Signals(signum).name
-
-    @property
-    def requested(self) -> bool:
-        return self.signal_name is not None
-
-
 def set_deterministic(enabled: bool) -> None:
     """Bitwise-reproducible kernels. CUBLAS_WORKSPACE_CONFIG must be set before CUDA starts (the CLI does it)."""
     if not enabled:
@@ -85,8 +72,10 @@ class Trainer:
         set_deterministic(self.cfg.train.deterministic)
         self.groups = init_distributed(plan.layout, seed=self.cfg.train.seed)
         self.is_logger = self.groups.is_loss_rank
+        self._claim_outputs()
         _quiet_deepspeed()
         self.model = build_model(plan.model, plan.layout, plan.precision)
+        self.init_source = self._init_weights(resume)
         self.engine, self.optimizer, self.ds_config = build_engine(
             self.model, self.cfg, self.groups, plan.ds_base, plan.precision)
         self.compiled = resolved_compile(self.cfg, torch.cuda.is_available())
@@ -102,11 +91,39 @@ class Trainer:
         self.resume_tag = self._resume() if resume else self._refuse_existing()
         self.schedule = self._run_schedule()
         train_ds, self.valid_ds = build_splits(self.cfg, plan.data, plan.model.seq_length, self.groups)
+        if self.valid_ds is None and self.cfg.eval.iters > 0:
+            self._warn(f"warning: eval.iters={self.cfg.eval.iters} but the validation split is empty (data.split="
+                       f"{plan.data.split}): no validation; give it a share in data.split or set eval.iters=0")
         self.loader = train_loader(self.cfg, train_ds, self.groups, self.consumed_samples, plan.data.num_workers)
         self.logger = TrainLogger(self.is_logger, self.cfg.run_dir,
                                   self.cfg.tensorboard_dir if self.cfg.logging.tensorboard else None,
                                   self.cfg.train.steps)
-        self.stop = StopRequest()
+        self.stop = install_stop_handlers()
+        self.stop.defer()
+
+    def _claim_outputs(self) -> None:
+        """Every output directory writable (all ranks) and locked (rank 0) before any work; same error on all ranks."""
+        problem = None
+        try:
+            for field, path in rundir.output_dirs(self.cfg).items():
+                check_writable(field, path)
+            if self.groups.rank == 0:
+                rundir.lock_outputs(self.cfg)
+        except UserError as err:
+            problem = str(err)
+        problems = [p for p in all_gather(problem) if p]
+        if problems:
+            raise UserError(problems[0])
+
+    def _init_weights(self, resume: bool) -> str | None:
+        """checkpoint.init_from, before the engine copies the weights into ZeRO; a run with checkpoints resumes them."""
+        path = self.cfg.checkpoint.init_from
+        if not path or (resume and CheckpointManager(self.cfg.checkpoint_dir, 1).tags()):
+            return None
+        from megahybrid.convert.init import load_full_weights
+
+        load_full_weights(self.model, path, self.plan.model, self.groups.tp_rank, self.groups.layout.tp)
+        return path
 
     def _warn(self, message: str) -> None:
         if self.is_logger:
@@ -120,7 +137,13 @@ class Trainer:
         self.ckpt.clean_stale()
         tag = self.ckpt.find_loadable()
         if tag is None:
+            if self.ckpt.tags():
+                raise UserError(
+                    f"checkpoint.dir {self.cfg.checkpoint_dir} holds checkpoints {self.ckpt.tags()} and none can be "
+                    "loaded (warnings above); nothing was changed: repair or restore them, or pass --no-resume with "
+                    "another checkpoint.dir (or run_dir)")
             return None
+        self.ckpt.check_model(tag, self.plan.model)
         state = self.ckpt.load(self.engine, tag, self.layout_dict())
         self.step = state["step"]
         self.consumed_samples = state["consumed_samples"]
@@ -199,13 +222,14 @@ class Trainer:
             self.engine.step()
         finally:
             self.optimizer.skipping = False
+        norm = self.engine.get_global_grad_norm()
+        # ZeRO drops the update itself when the global norm is inf/NaN; we count it like a non-finite loss.
+        skip = skip or (norm is not None and not math.isfinite(float(norm)))
         self.step += 1
         self.skipped += int(skip)
         self.consecutive_nonfinite = self.consecutive_nonfinite + 1 if skip else 0
-        # A device tensor under bf16: TrainLogger reads it later, so the host need not wait for the optimizer.
-        norm = self.engine.get_global_grad_norm()
         return {"loss": loss_total / (self.gas * dist.get_world_size()), "lr": lr, "skip": skip,
-                "stop": stop > 0, "grad_norm": float("nan") if norm is None else norm}
+                "stop": stop > 0, "grad_norm": float(norm) if norm is not None else float("nan")}
 
     def _loss(self, batch: dict) -> torch.Tensor:
         from megahybrid.model.cp import shard_batch
@@ -268,6 +292,8 @@ class Trainer:
         os.makedirs(self.cfg.run_dir, exist_ok=True)
         with open(os.path.join(self.cfg.run_dir, "config.yaml"), "w") as f:
             f.write(self.cfg.to_yaml())
+        if self.init_source:
+            print(f"initialized the weights from {self.init_source} (fresh optimizer, step 0)", flush=True)
         if self.resume_tag:
             print(f"resumed from {os.path.join(self.cfg.checkpoint_dir, self.resume_tag)} at step {self.step}",
                   flush=True)
@@ -314,7 +340,8 @@ class Trainer:
             print(f"received {self.stop.signal_name or 'a stop signal on another rank'}: saved {path}; exiting with "
                   f"code {EXIT_REQUEUE} so the launcher can requeue (the next start resumes there)", flush=True)
         elif code == EXIT_NONFINITE:
-            print(f"error: {self.consecutive_nonfinite} steps in a row had a non-finite loss (last: step {self.step}); "
+            print(f"error: {self.consecutive_nonfinite} steps in a row had a non-finite loss or gradient norm "
+                  f"(last: step {self.step}); "
                   f"saved {path}; lower optimizer.lr, raise optimizer.warmup_steps or check the data, then resume",
                   file=sys.stderr, flush=True)
         else:
@@ -355,8 +382,9 @@ def train(cfg: RunConfig, resume: bool = True) -> int:
     try:
         return Trainer(plan, resume=resume).run()
     finally:
+        rundir.release_all()
         shutdown()
 
 
 __all__ = ["train", "make_plan", "Trainer", "EXIT_OK", "EXIT_CRASH", "EXIT_USER_ERROR", "EXIT_REQUEUE",
-           "EXIT_NONFINITE", "UserError"]
+           "EXIT_NONFINITE", "EXIT_ABORTED", "UserError"]

@@ -87,7 +87,7 @@ def test_head_dims_64_and_192(K, V, nan_empty):
 
 def test_gpu_state_tile_padding_in_interpreter(nan_empty, monkeypatch):
     """The GPU's state tile for K = 64 (128 rows, the upper half masked) gives the same result."""
-    monkeypatch.setattr(gdn_chunk, "_state_bk", lambda K, device: max(128, gdn_chunk._pow2(K)))
+    monkeypatch.setattr(gdn_chunk, "_state_bk", lambda K, device: max(128, gdn_chunk.next_pow2(K)))
     compare(make_inputs(1, 70, 1, 64, 16, seed=13), FP32_TOL)
 
 

@@ -12,7 +12,8 @@ import triton
 import triton.language as tl
 
 from kernels.nats.attention.torch_chunk import torch_chunk_selected_attention
-from kernels.nats.checks import check_keep_values, use_torch_path
+from kernels._triton import next_pow2, use_torch_path
+from kernels.nats.checks import check_keep_values
 
 LOG2E = 1.4426950408889634
 
@@ -325,12 +326,8 @@ def kept_chunk_lists(keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return far_idx.contiguous(), n_far.contiguous()
 
 
-def _block_d(D: int) -> int:
-    return max(16, triton.next_power_of_2(D))
-
-
 def _head_dims(DK: int, DV: int) -> dict:
-    return dict(DK=DK, BDK=_block_d(DK), DV=DV, BDV=_block_d(DV))
+    return dict(DK=DK, BDK=next_pow2(DK), DV=DV, BDV=next_pow2(DV))
 
 
 def _precision(q: torch.Tensor) -> str:

@@ -9,14 +9,19 @@ saved (I + A)^{-1}.
 Transposed operands are always loaded through strided pointers, never made with `tl.trans` of a `tl.dot` result:
 Triton 3.4-3.6 on Hopper miscompiles that pattern (flash-linear-attention issue 640).
 """
-import os
+import contextlib
+import math
 
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.errors import OutOfResources
+
+from kernels._triton import interpreting, next_pow2, use_torch_path
+from kernels.nats.checks import check_keep_values, check_log_decay
+from kernels.nats.gdn.torch_chunk import torch_chunk_selected_gdn
 
 BT = 64
-BC = 16
 
 
 def _tuned(key, configs):
@@ -25,14 +30,10 @@ def _tuned(key, configs):
     Configs that exceed shared memory (fp32 inputs at high num_stages) are dropped by the autotuner.
     """
     def wrap(fn):
-        if os.environ.get("TRITON_INTERPRET", "0") == "1":
+        if interpreting():
             return fn
         return triton.autotune([triton.Config({}, num_warps=w, num_stages=s) for w, s in configs], key=key)(fn)
     return wrap
-
-
-def _pow2(n: int, lo: int = 16) -> int:
-    return max(lo, triton.next_power_of_2(n))
 
 
 @triton.jit
@@ -466,9 +467,9 @@ def _bwd_wy_kernel(k, v, beta, G, Ai, dw, du, dk_in, dG_in, dk, dv, dbeta, dg, T
 def _bv(n_programs: int, V: int, device: torch.device) -> int:
     """V tile of the sequential kernels: 32, or 16 when B*H*V/32 would leave most SMs idle."""
     if device.type != "cuda":
-        return min(32, _pow2(V))
+        return min(32, next_pow2(V))
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return 16 if n_programs * triton.cdiv(V, 32) < 2 * sms else min(32, _pow2(V))
+    return 16 if n_programs * triton.cdiv(V, 32) < 2 * sms else min(32, next_pow2(V))
 
 
 def _state_bk(K: int, device: torch.device) -> int:
@@ -479,12 +480,12 @@ def _state_bk(K: int, device: torch.device) -> int:
     run and match the reference; padding K = 64 to that tile reuses the verified shapes (the padded half of the state
     stays zero and its products add zeros). The interpreter keeps the next power of two.
     """
-    return _pow2(K) if device.type != "cuda" else max(128, _pow2(K))
+    return next_pow2(K) if device.type != "cuda" else max(128, next_pow2(K))
 
 
 def _loop_bv(V: int, dtype: torch.dtype) -> int:
     """V tile of the chunk-parallel kernels: 64 for 16-bit inputs, 32 for fp32 (bounds the pipelined tiles)."""
-    return min(64 if dtype.itemsize == 2 else 32, _pow2(V))
+    return min(64 if dtype.itemsize == 2 else 32, next_pow2(V))
 
 
 def _wy_fwd(k, v, g, beta):
@@ -493,7 +494,7 @@ def _wy_fwd(k, v, g, beta):
     NT = triton.cdiv(T, BT)
     G = torch.empty(B, T, H, device=k.device, dtype=torch.float32)
     Ai = torch.empty(B, T, H, BT, device=k.device, dtype=torch.float32)
-    _kkt_inv_kernel[(NT, B * H)](k, g, beta, G, Ai, T, H=H, K=K, BK=min(64, _pow2(K)))
+    _kkt_inv_kernel[(NT, B * H)](k, g, beta, G, Ai, T, H=H, K=K, BK=min(64, next_pow2(K)))
     return G, Ai
 
 
@@ -501,7 +502,7 @@ def _recompute_wu(k, v, beta, G, Ai):
     B, T, H, K = k.shape
     V = v.shape[-1]
     w, u = torch.empty_like(k), torch.empty_like(v)
-    _wu_kernel[(triton.cdiv(T, BT), B * H)](k, v, beta, G, Ai, w, u, T, H=H, K=K, V=V, BK=min(64, _pow2(K)),
+    _wu_kernel[(triton.cdiv(T, BT), B * H)](k, v, beta, G, Ai, w, u, T, H=H, K=K, V=V, BK=min(64, next_pow2(K)),
                                             BV=_loop_bv(V, k.dtype))
     return w, u
 
@@ -530,7 +531,7 @@ def chunk_selected_gdn_fwd(q, k, v, g, beta, keep, scale, initial_state, output_
     o = torch.empty_like(v)
     BV = _loop_bv(V, q.dtype)
     _fwd_o_kernel[(triton.cdiv(V, BV), NT, B * H)](q, k, v_new, h, G, o, scale, T, NT, H=H, K=K, V=V,
-                                                    BK=min(64, _pow2(K)), BV=BV)
+                                                    BK=min(64, next_pow2(K)), BV=BV)
     return o, ht, G, Ai
 
 
@@ -539,7 +540,7 @@ def chunk_selected_gdn_bwd(q, k, v, beta, keep, G, Ai, scale, initial_state, do,
     """Backward host function: recomputes w, u, h, v' and returns dq, dk, dv, dg, dbeta, dkeep, dh0."""
     B, T, H, K = q.shape
     V, NT = v.shape[-1], triton.cdiv(T, BT)
-    BK, BV = min(64, _pow2(K)), _loop_bv(V, q.dtype)
+    BK, BV = min(64, next_pow2(K)), _loop_bv(V, q.dtype)
     w, u = _recompute_wu(k, v, beta, G, Ai)
     h, v_new, _ = _fwd_h(k, w, u, G, keep, initial_state, False, decay_dropped)
     do = do.contiguous()
@@ -572,3 +573,116 @@ def chunk_selected_gdn_bwd(q, k, v, beta, keep, G, Ai, scale, initial_state, do,
     _bwd_wy_kernel[(NT, B * H)](k, v, beta, G, Ai, dw, dv2, dk1, dG, dk, dv, dbeta, dg, T, H=H, K=K, V=V, BK=BK,
                                 BV=BV)
     return dq, dk, dv, dg, dbeta, dkeep.to(keep.dtype), dh0
+
+
+_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+
+
+class ChunkSelectedGDNFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, keep, scale, initial_state, output_final_state, decay_dropped,
+                dkeep_dropped):
+        with _refuse_unbuildable(q, v):
+            o, ht, G, Ai = chunk_selected_gdn_fwd(q, k, v, g, beta, keep, scale, initial_state, output_final_state,
+                                                  decay_dropped)
+        ctx.save_for_backward(q, k, v, beta, keep, G, Ai, initial_state)
+        ctx.scale, ctx.decay_dropped, ctx.dkeep_dropped = scale, decay_dropped, dkeep_dropped
+        ctx.g_dtype = g.dtype
+        return o, ht
+
+    @staticmethod
+    def backward(ctx, do, dht):
+        q, k, v, beta, keep, G, Ai, initial_state = ctx.saved_tensors
+        with _refuse_unbuildable(q, v):
+            dq, dk, dv, dg, dbeta, dkeep, dh0 = chunk_selected_gdn_bwd(
+                q, k, v, beta, keep, G, Ai, ctx.scale, initial_state, do, dht, ctx.decay_dropped, ctx.dkeep_dropped)
+        if dh0 is not None:
+            dh0 = dh0.to(initial_state.dtype)
+        return dq, dk, dv, dg.to(ctx.g_dtype), dbeta, dkeep, None, dh0, None, None, None
+
+
+@contextlib.contextmanager
+def _refuse_unbuildable(q, v):
+    """A head size whose kernels need more shared memory than the GPU has becomes a one-line ValueError."""
+    try:
+        yield
+    except OutOfResources as e:
+        raise ValueError(f"chunk_selected_gdn: K={q.shape[-1]}, V={v.shape[-1]} in {q.dtype} does not fit this GPU "
+                         f"({str(e).splitlines()[0]}); use bf16 or smaller heads") from None
+
+
+def chunk_selected_gdn(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    keep: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    chunk_size: int = 64,
+    use_qk_l2norm: bool = False,
+    decay_dropped: bool = True,
+    dkeep_dropped: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Gated DeltaNet whose state keeps a chunk's write only where `keep` = 1 (semantics: kernels/nats/README.md).
+
+    Args:
+        q, k: `[B, T, H, K]`, K <= 256; L2-normalized by the caller unless `use_qk_l2norm`.
+        v: `[B, T, H, V]`.
+        g: `[B, T, H]` log decay (<= 0, else ValueError); beta: `[B, T, H]`.
+        keep: `[B, H, ceil(T / 64)]` float in {0, 1} (else ValueError): commit chunk c's write into the state (1) or
+            roll it back (0). Checking the values of a new g or keep tensor costs one host sync on a GPU.
+        scale: output scale, default `K ** -0.5`.
+        initial_state: `[B, H, K, V]` (fp32 recommended) or None.
+        output_final_state: also return the final state `[B, H, K, V]` in fp32.
+        chunk_size: must be 64 (the selection granularity and the kernels' chunk).
+        decay_dropped: a rolled-back chunk still applies its decays to the state (reference default).
+        dkeep_dropped: give the straight-through gradient of `keep` also where keep = 0 (default: zero there).
+
+    Returns:
+        o `[B, T, H, V]` in v's dtype and the final state (or None). CPU tensors run `torch_chunk.py` (autograd)
+        unless TRITON_INTERPRET=1 asks for the Triton kernels.
+    """
+    _check(q, k, v, g, beta, keep, initial_state, chunk_size)
+    if use_qk_l2norm:
+        q, k = _l2norm(q), _l2norm(k)
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    if use_torch_path(q):
+        o, ht = torch_chunk_selected_gdn(q, k, v, g, beta, keep, scale, initial_state, decay_dropped, dkeep_dropped)
+        return o, (ht if output_final_state else None)
+    args = [x.contiguous() for x in (q, k, v, g, beta, keep)]
+    h0 = initial_state.contiguous() if initial_state is not None else None
+    return ChunkSelectedGDNFunction.apply(*args, scale, h0, output_final_state, decay_dropped, dkeep_dropped)
+
+
+def _l2norm(x: torch.Tensor) -> torch.Tensor:
+    return (x.float() * torch.rsqrt(x.float().pow(2).sum(-1, keepdim=True) + 1e-6)).to(x.dtype)
+
+
+def _check(q, k, v, g, beta, keep, initial_state, chunk_size):
+    if chunk_size != 64:
+        raise ValueError(f"chunk_size must be 64 (got {chunk_size}); the selection and kernels use 64-token chunks")
+    if q.dim() != 4 or k.shape != q.shape:
+        raise ValueError(f"q and k must both be [B, T, H, K]; got {tuple(q.shape)} and {tuple(k.shape)}")
+    B, T, H, K = q.shape
+    if v.dim() != 4 or v.shape[:3] != q.shape[:3]:
+        raise ValueError(f"v must be [B, T, H, V] = [{B}, {T}, {H}, V]; got {tuple(v.shape)}")
+    if g.shape != (B, T, H) or beta.shape != (B, T, H):
+        raise ValueError(f"g and beta must be [B, T, H] = {(B, T, H)}; got {tuple(g.shape)} and {tuple(beta.shape)}")
+    if keep.shape != (B, H, math.ceil(T / chunk_size)):
+        raise ValueError(f"keep must be [B, H, ceil(T/64)] = {(B, H, math.ceil(T / chunk_size))}; got "
+                         f"{tuple(keep.shape)}")
+    if K > 256 or T == 0:
+        raise ValueError(f"need 1 <= T and K <= 256; got T={T}, K={K}")
+    tensors = [q, k, v, g, beta, keep] + ([initial_state] if initial_state is not None else [])
+    if any(t.dtype not in _FLOATS for t in tensors) or len({q.dtype, k.dtype, v.dtype}) != 1:
+        raise ValueError("q, k, v must share one float dtype (fp32/bf16/fp16) and g, beta, keep must be float")
+    if len({t.device for t in tensors}) != 1:
+        raise ValueError(f"all inputs must be on one device; got {sorted({str(t.device) for t in tensors})}")
+    if initial_state is not None and initial_state.shape != (B, H, K, v.shape[-1]):
+        raise ValueError(f"initial_state must be [B, H, K, V] = {(B, H, K, v.shape[-1])}; got "
+                         f"{tuple(initial_state.shape)}")
+    check_keep_values(keep, "chunk_selected_gdn")
+    check_log_decay(g, "chunk_selected_gdn")
