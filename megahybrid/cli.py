@@ -8,8 +8,12 @@ code 2, without a traceback. Training exit codes are listed in megahybrid/train/
 import argparse
 import os
 import shutil
+import socket
 import subprocess
 import sys
+from pathlib import Path
+
+from megahybrid import __version__
 
 EXIT_USER_ERROR = 2
 
@@ -18,13 +22,16 @@ def _add_train_command(subparsers) -> None:
     train = subparsers.add_parser("train", help="train a model from a run config (alone, torchrun, srun or mpirun)")
     train.add_argument("--config", required=True, help="a YAML file, or a shipped config name: demo, 125m, 350m, 1.3b")
     train.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. train.steps=200 model.pattern=S")
-    train.add_argument("--no-resume", action="store_true", help="start fresh even if checkpoints exist (refused "
-                       "when checkpoint.dir already holds some)")
+    train.add_argument("--no-resume", action="store_true", help="do not resume: start from step 0 (refused when "
+                       "checkpoint.dir already holds checkpoints; give another run_dir)")
     train.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    train.add_argument("--nproc-per-node", type=int, metavar="N", help="start N local ranks (torchrun) after "
+                       "validating the config once here; exits with the first failed rank's code")
 
 
 def parser() -> argparse.ArgumentParser:
     top = argparse.ArgumentParser(prog="megahybrid", description=__doc__.splitlines()[0])
+    top.add_argument("--version", action="version", version=f"megahybrid {__version__}")
     subparsers = top.add_subparsers(dest="command", required=True)
     _add_train_command(subparsers)
     from megahybrid.data.cli import add_data_commands
@@ -104,6 +111,60 @@ def run_train(args) -> int:
     return train(cfg, resume=not args.no_resume)
 
 
+def launch_local(args, argv: list[str]) -> int:
+    """Validate for N ranks in this process (a config error is one line here, not one per rank plus torchrun's
+    report), then run torchrun's launcher in-process and return the first failed rank's exit code."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser
+    from torch.distributed.run import run as torchrun
+
+    from megahybrid.errors import ConfigError
+    from megahybrid.train.config import load_config, validate
+
+    if args.nproc_per_node < 1:
+        raise ConfigError(f"--nproc-per-node {args.nproc_per_node} must be >= 1")
+    validate(load_config(args.config, args.overrides), args.nproc_per_node, _has_gpu())
+    launcher = get_args_parser().parse_args([
+        f"--nproc-per-node={args.nproc_per_node}", "--master-addr=127.0.0.1", f"--master-port={_free_port()}",
+        "-m", "megahybrid", *_without_nproc(argv)])
+    try:
+        torchrun(launcher)
+    except ChildFailedError as err:
+        rank, failure = err.get_first_failure()
+        if failure.exitcode != EXIT_USER_ERROR:  # a user error printed its own line
+            print(f"error: rank {rank} exited with code {failure.exitcode}; its output is above", file=sys.stderr)
+        return failure.exitcode if failure.exitcode > 0 else 1
+    return 0
+
+
+def _without_nproc(argv: list[str]) -> list[str]:
+    out, skip = [], False
+    for item in argv:
+        if skip:
+            skip = False
+        elif item == "--nproc-per-node":
+            skip = True
+        elif not item.startswith("--nproc-per-node="):
+            out.append(item)
+    return out
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def default_torch_extensions_dir() -> str:
+    """Where DeepSpeed caches the ops it compiles (its CPU op: ~26 s to build): `.cache/torch_extensions` of a
+    source checkout (as the Makefile sets), else the user's cache directory."""
+    root = Path(__file__).resolve().parent.parent
+    if (root / "pyproject.toml").is_file() and os.access(root, os.W_OK):
+        return str(root / ".cache" / "torch_extensions")
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(cache, "megahybrid", "torch_extensions")
+
+
 def _has_gpu() -> bool:
     import torch
 
@@ -111,11 +172,13 @@ def _has_gpu() -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from megahybrid.errors import UserError
+    from megahybrid.errors import ConfigError, UserError
     from megahybrid.slurm import record_exit_code
     from megahybrid.train.signals import Interrupted, install_stop_handlers
 
+    argv = sys.argv[1:] if argv is None else argv
     args = parser().parse_args(argv)
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", default_torch_extensions_dir())
     if args.command == "data":
         from megahybrid.data.cli import run
 
@@ -133,12 +196,16 @@ def main(argv: list[str] | None = None) -> int:
             from megahybrid.eval.cli import run
 
             return run(args)
+        if args.nproc_per_node is not None:
+            return launch_local(args, argv)
         # Before torch is imported: a SIGTERM or Ctrl-C in the first seconds gets a message and an exit code too.
         install_stop_handlers()
         prepare_launch_env()
         code = run_train(args)
     except UserError as err:
-        print(f"error: {err}", file=sys.stderr, flush=True)
+        # Every rank validates the same config: one copy of a config error is enough.
+        if not isinstance(err, ConfigError) or os.environ.get("RANK", "0") == "0":
+            print(f"error: {err}", file=sys.stderr, flush=True)
         code = EXIT_USER_ERROR
     except Interrupted as stop:
         print(stop.message(), file=sys.stderr, flush=True)

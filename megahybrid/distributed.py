@@ -61,8 +61,8 @@ class _CpuRNGStatesTracker:
 
 def apply_cpu_redirections() -> None:
     """Let megatron-core 0.16 run without CUDA: it asks `torch.cuda.current_device()` for buffer, rotary and
-    sequence-parallel allocations, synchronizes in the checkpoint writer, and keeps CUDA RNG states.
-    Applied only when CUDA is absent; no other module branches on CPU vs GPU."""
+    sequence-parallel allocations, synchronizes in the checkpoint writer, and keeps CUDA RNG states (also around
+    recomputed activations). Applied only when CUDA is absent; no other module branches on CPU vs GPU."""
     global _CPU_REDIRECTED
     if _CPU_REDIRECTED or torch.cuda.is_available():
         return
@@ -74,6 +74,10 @@ def apply_cpu_redirections() -> None:
     mp_random._CUDA_RNG_STATE_TRACKER = _CpuRNGStatesTracker()
     mp_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
     mp_random.initialize_rng_tracker = lambda *a, **k: None
+    # Activation recomputation saves and restores the CUDA RNG state around each recomputed forward; on CPU the
+    # CPU generator (which it saves as well) is the only one, so the CUDA one is an empty placeholder.
+    mp_random._get_cuda_rng_state = lambda *a, **k: torch.empty(0, dtype=torch.uint8)
+    mp_random._set_cuda_rng_state = lambda *a, **k: None
     _CPU_REDIRECTED = True
 
 

@@ -267,7 +267,8 @@ def test_prepare_builtin_is_cached(tmp_path):
     assert len(splits.train) >= 50 and len(splits.valid) >= 5 and splits.test is None
 
 
-@pytest.mark.skipif(not os.path.isdir("/work/shared/data/wikipedia-en"), reason="local wikipedia sample absent")
+@pytest.mark.skipif(not os.path.isdir(os.path.join(os.path.dirname(REPO), "shared", "data", "wikipedia-en")),
+                    reason="the Wikipedia sample is not in ../shared/data/wikipedia-en next to the repository")
 def test_prepare_wikipedia_tiny_slice(tmp_path):
     sys.path.insert(0, os.path.join(REPO, "tools"))
     import prepare_wikipedia

@@ -108,7 +108,8 @@ def test_single_rank_kill_during_save_then_resume_matches(data_dir, tmp_path):
     assert ckpts == ["latest", "step_00000006", "step_00000008"], ckpts
     _check_contents(os.path.join(killed, "checkpoints", "step_00000008"))
     assert os.listdir(os.path.join(ref, "tensorboard")), "no TensorBoard events"
-    assert "tensorboard --logdir" in stdout and "resume: python -m megahybrid train --config" in stdout
+    assert "-m tensorboard.main --logdir" in stdout
+    assert f"resume: {sys.executable} -m megahybrid train --config" in stdout
     _check_fallback(os.path.join(killed, "checkpoints"))
 
 

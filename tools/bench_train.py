@@ -1,84 +1,221 @@
-"""Training-step throughput of a preset on one GPU: forward+backward (+ AdamW step) in bf16.
+"""Training throughput of `megahybrid train`'s own step against a plain-PyTorch Llama of the same shape.
 
-FLOPs per token (stated, Megatron/PaLM convention): 6 * N_matmul + 6 * L * T * d, where N_matmul counts every
-weight used in a matrix product (attention, MLP, LM head; not the input embedding lookup) and 6*L*T*d is causal
-attention's QK^T and PV products forward+backward (2 products x 2 FLOP x T/2 keys on average x d x 3 passes).
-MFU is quoted against the bf16 matmul rate measured in the same run and the 989 TFLOP/s datasheet number.
+Each row runs in its own process (a clean GPU, one compile cache per model) on random tokens:
+  megahybrid  Trainer.train_step of `megahybrid train` (DeepSpeed ZeRO-1, fp32 master weights, bf16 on a GPU,
+              data.synthetic=true, train.compile=auto), with the row's model.recompute setting;
+  baseline    tools/llama_baseline.py: fp32 weights under bf16 autocast, SDPA, fused AdamW, clipping, torch.compile.
+Both take `--tokens` tokens per optimizer step (micro-batch x accumulation). `--warmup` steps (which include
+torch.compile's compilation) run before the timed window and are reported separately as warmup_s; the window
+is `--steps` steps between two device synchronizations. Peak memory is torch's max allocated during the window.
 
-    python tools/bench_train.py --preset 125m --seq 4096 --tokens 65536 [--compile]
+FLOPs per token (megahybrid.train.metrics.flops_per_token, the trainer's own count; recomputation not counted):
+    6 * P_matmul + 6 * L_softmax * seq * num_heads * head_dim
+P_matmul: q/k/v/o, SwiGLU and LM-head weights (not the embedding lookup); the second term is QK^T and PV over the
+causal half of the scores, forward + backward. MFU_989 = TFLOP/s / 989 (H200 bf16 dense datasheet); MFU_meas
+uses the bf16 matmul rate measured at the end of the run.
+
+    python tools/bench_train.py                      # GPU: 125m, 350m, 1.3b at 4K + recompute rows at 1.3b
+    python tools/bench_train.py --rows tiny:none:2 --seq 128 --tokens 512 --steps 2 --warmup 1   # CPU smoke
+Rows are PRESET:RECOMPUTE:MICRO with RECOMPUTE one of none, selective, selective_mlp, full; every preset also
+gets a baseline row at the micro-batch of its first row. Results: tools/results/bench_train-<date>.{json,md}.
 """
 import argparse
+import json
 import os
+import subprocess
 import sys
+import tempfile
+import time
 
-import torch
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-sys.path.insert(0, os.path.dirname(__file__))
-
-from benchutil import format_table, matmul_peak_tflops, save_results, time_ms  # noqa: E402
-from megahybrid.distributed import init_distributed, shutdown  # noqa: E402
-from megahybrid.model.config import ModelConfig, count_parameters, preset  # noqa: E402
-from megahybrid.model.gpt import build_model, lm_loss  # noqa: E402
-from megahybrid.parallel import ParallelLayout  # noqa: E402
+TOOLS = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(TOOLS))
+sys.path.insert(0, TOOLS)
 
 DATASHEET_TFLOPS = 989.0
+ROW_MARK = "BENCH_ROW "
+RECOMPUTE = {
+    "none": {},
+    "selective": {"recompute": "selective"},
+    "selective_mlp": {"recompute": "selective", "recompute_modules": ["core_attn", "mlp"]},
+    "full": {"recompute": "full"},
+}
+COLUMNS = ["system", "preset", "recompute", "micro", "gas", "seq", "compile", "tok/s", "TFLOP/s", "MFU_989",
+           "MFU_meas", "peak_GiB", "step_s", "warmup_s", "status"]
+DEFAULT_ROWS = ["125m:none:8", "350m:none:8", "1.3b:none:4", "1.3b:selective_mlp:4", "1.3b:full:4"]
 
 
-def flops_per_token(cfg: ModelConfig) -> float:
-    matmul_params = count_parameters(cfg) - cfg.vocab_size * cfg.hidden_size * (0 if cfg.tie_embeddings else 1)
-    matmul_params -= (2 * cfg.num_layers + 1) * cfg.hidden_size  # norm weights are not matmuls
-    return 6.0 * matmul_params + 6.0 * cfg.num_layers * cfg.seq_length * cfg.hidden_size
+def plan_rows(specs: list[str]) -> list[dict]:
+    """megahybrid rows in the given order, each preset's baseline right after its first row."""
+    rows, seen = [], set()
+    for spec in specs:
+        preset, recompute, micro = spec.split(":")
+        if recompute not in RECOMPUTE:
+            raise SystemExit(f"--rows {spec}: recompute must be one of {', '.join(RECOMPUTE)}")
+        rows.append({"system": "megahybrid", "preset": preset, "recompute": recompute, "micro": int(micro)})
+        if preset not in seen:
+            seen.add(preset)
+            rows.append({"system": "baseline", "preset": preset, "recompute": "none", "micro": int(micro)})
+    return rows
 
 
-def bench_one(name: str, seq: int, tokens: int, compile_model: bool, peak: float) -> dict:
-    cfg = preset(name, seq_length=seq)
-    model = build_model(cfg, ParallelLayout(), precision="bf16")
-    step_model = torch.compile(model) if compile_model else model
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-    batch = max(1, tokens // seq)
-    data = torch.randint(0, cfg.vocab_size, (batch, seq + 1), device="cuda")
-    tokens_in, labels, mask = data[:, :-1], data[:, 1:], torch.ones(batch, seq, device="cuda")
+def megahybrid_step(row: dict, args, run_dir: str):
+    from megahybrid.train.config import from_dict
+    from megahybrid.train.trainer import Trainer, make_plan
 
-    def step():
-        loss = lm_loss(step_model, tokens_in, labels, mask)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+    cfg = from_dict({
+        "run_dir": run_dir,
+        "model": {"preset": row["preset"], "seq_length": args.seq, **RECOMPUTE[row["recompute"]]},
+        "data": {"synthetic": True},
+        "batch": {"global_batch_size": args.tokens // args.seq, "micro_batch_size": row["micro"]},
+        "optimizer": {"warmup_steps": 1},
+        "train": {"steps": args.warmup + args.steps, "compile": {"auto": "auto", "true": True, "false": False}[
+            args.compile]},
+        "logging": {"tensorboard": False},
+        "eval": {"iters": 0},
+    })
+    trainer = Trainer(make_plan(cfg, 1))
+    batches = iter(trainer.loader)
+    return (lambda: trainer.train_step(batches)), trainer.plan.model, trainer.compiled, trainer.gas
 
-    for _ in range(3):
+
+def baseline_step(row: dict, args):
+    import torch
+
+    from llama_baseline import BaselineTrainer
+    from megahybrid.data.loader import MicroBatchLoader
+    from megahybrid.model.config import preset
+    from megahybrid.train.data import RandomTokens
+
+    cfg = preset(row["preset"], seq_length=args.seq)
+    global_batch = args.tokens // args.seq
+    gas = global_batch // row["micro"]
+    compiled = torch.cuda.is_available() if args.compile == "auto" else args.compile == "true"
+    trainer = BaselineTrainer(cfg, row["micro"], gas, compiled, "cuda" if torch.cuda.is_available() else "cpu")
+    data = RandomTokens(global_batch * (args.warmup + args.steps), args.seq, cfg.vocab_size, seed=1234)
+    batches = iter(MicroBatchLoader(data, global_batch, row["micro"]))
+    return (lambda: trainer.step(batches)), cfg, compiled, gas
+
+
+def measure(step, warmup: int, steps: int) -> dict:
+    import torch
+
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    start = time.perf_counter()
+    for _ in range(warmup):
         step()
-    ms = time_ms(step, warmup_ms=100, rep_ms=1000)
-    torch.cuda.reset_peak_memory_stats()
-    step()
-    mem_gib = torch.cuda.max_memory_allocated() / 2**30
-    tok_s = batch * seq / (ms * 1e-3)
+    sync()
+    warm = time.perf_counter() - start
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    sync()
+    elapsed = time.perf_counter() - start
+    peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else float("nan")
+    return {"warmup_s": warm, "step_s": elapsed / steps, "peak_GiB": peak}
+
+
+def run_child(row: dict, args) -> dict:
+    from megahybrid.distributed import shutdown
+    from megahybrid.train.metrics import flops_per_token
+
+    with tempfile.TemporaryDirectory() as run_dir:
+        if row["system"] == "megahybrid":
+            step, cfg, compiled, gas = megahybrid_step(row, args, run_dir)
+        else:
+            step, cfg, compiled, gas = baseline_step(row, args)
+        timing = measure(step, args.warmup, args.steps)
+        shutdown()
+    tok_s = args.tokens // args.seq * args.seq / timing["step_s"]
     tflops = flops_per_token(cfg) * tok_s / 1e12
-    del model, opt, step_model
-    torch.cuda.empty_cache()
-    return {"preset": name, "seq": seq, "batch": batch, "compile": compile_model, "ms/step": ms,
-            "tok/s": tok_s, "TFLOP/s": tflops, "MFU_meas": tflops / peak, "MFU_989": tflops / DATASHEET_TFLOPS,
-            "mem_GiB": mem_gib}
+    return {**row, "seq": args.seq, "gas": gas, "compile": compiled, "tok/s": tok_s, "TFLOP/s": tflops,
+            "MFU_989": tflops / DATASHEET_TFLOPS, **timing, "status": "ok"}
 
 
-def main():
+def _child_env() -> dict:
+    from megahybrid.cli import _free_port, default_torch_extensions_dir
+
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env.setdefault("TORCH_EXTENSIONS_DIR", default_torch_extensions_dir())
+    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    return env
+
+
+def run_row(row: dict, argv: list[str], timeout: float) -> dict:
+    """One row in a fresh process; a failure or timeout becomes the row's status (the other rows still run)."""
+    cmd = [sys.executable, os.path.abspath(__file__), *argv, "--child", json.dumps(row)]
+    try:
+        out = subprocess.run(cmd, env=_child_env(), capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {**row, "status": f"timeout after {timeout:.0f} s"}
+    for line in out.stdout.splitlines():
+        if line.startswith(ROW_MARK):
+            return json.loads(line[len(ROW_MARK):])
+    tail = (out.stderr or out.stdout).strip().splitlines()[-1:] or ["no output"]
+    print(out.stderr[-4000:], file=sys.stderr)
+    return {**row, "status": f"exit {out.returncode}: {tail[0][:200]}"}
+
+
+def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--preset", nargs="+", default=["125m"])
+    parser.add_argument("--rows", nargs="+", default=DEFAULT_ROWS, help="PRESET:RECOMPUTE:MICRO ...")
     parser.add_argument("--seq", type=int, default=4096)
-    parser.add_argument("--tokens", type=int, default=65536, help="tokens per step (batch = tokens // seq)")
-    parser.add_argument("--compile", choices=["off", "on", "both"], default="both")
-    args = parser.parse_args()
+    parser.add_argument("--tokens", type=int, default=16 * 4096, help="tokens per optimizer step")
+    parser.add_argument("--steps", type=int, default=8, help="timed steps")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation happens here)")
+    parser.add_argument("--compile", choices=["auto", "true", "false"], default="auto")
+    parser.add_argument("--budget-s", type=float, default=420.0, help="wall time for all rows; later rows skip")
+    parser.add_argument("--row-timeout-s", type=float, default=150.0, help="wall time for one row")
+    parser.add_argument("--results-dir", default=None, help="default tools/results")
+    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    return parser.parse_args(argv)
+
+
+def _shared_argv(args) -> list[str]:
+    return ["--seq", str(args.seq), "--tokens", str(args.tokens), "--steps", str(args.steps),
+            "--warmup", str(args.warmup), "--compile", args.compile]
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.child:
+        print(ROW_MARK + json.dumps(run_child(json.loads(args.child), args)), flush=True)
+        return 0
+    from benchutil import format_table, save_results
+
+    deadline, done = time.monotonic() + args.budget_s, []
+    for row in plan_rows(args.rows):
+        left = deadline - time.monotonic()
+        timeout = min(left, args.row_timeout_s)
+        result = run_row(row, _shared_argv(args), timeout) if left > 10 else {**row, "status": "skipped: budget"}
+        done.append({column: result.get(column, "") for column in COLUMNS})
+        print(format_table([done[-1]]), flush=True)
+        save_results("bench_train", done, _meta(None), args.results_dir)
+    path = save_results("bench_train", done, _meta(_add_measured_mfu(done)), args.results_dir)
+    print(format_table(done))
+    print(f"written {path}")
+    return 0 if all(r["status"] == "ok" for r in done) else 1
+
+
+def _meta(peak) -> dict:
+    return {"timed": "warm-up steps (incl. compile) excluded", "flops_per_token": "6*P_matmul + 6*L*s*h*hd",
+            "matmul_peak_tflops": peak}
+
+
+def _add_measured_mfu(rows: list[dict]):
+    import torch
+
     if not torch.cuda.is_available():
-        sys.exit("bench_train.py needs a CUDA GPU")
-    init_distributed(ParallelLayout())
-    peak = matmul_peak_tflops()
-    modes = {"off": [False], "on": [True], "both": [False, True]}[args.compile]
-    rows = [bench_one(p, args.seq, args.tokens, c, peak) for p in args.preset for c in modes]
-    save_results("bench_train", rows, {"matmul_peak_tflops": round(peak, 1)})
-    print(f"bf16 matmul peak measured: {peak:.0f} TFLOP/s")
-    print(format_table(rows))
-    shutdown()
+        return None
+    from benchutil import matmul_peak_tflops
+
+    peak = round(matmul_peak_tflops(), 1)
+    for row in rows:
+        if row["TFLOP/s"] != "":
+            row["MFU_meas"] = row["TFLOP/s"] / peak
+    return peak
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -69,13 +69,15 @@ def _fmt(v) -> str:
     return str(v)
 
 
-def save_results(name: str, rows: list[dict], extra: dict | None = None) -> Path:
-    """Write tools/results/<name>-<date>.json and .md with date, GPU and commit, return the .md path."""
-    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+def save_results(name: str, rows: list[dict], extra: dict | None = None, results_dir=None) -> Path:
+    """Write tools/results/<name>-<date>.json and .md (or under results_dir) with date, GPU and commit, return
+    the .md path."""
+    root = Path(results_dir) if results_dir else RESULTS_DIR
+    root.mkdir(parents=True, exist_ok=True)
     date = datetime.date.today().isoformat()
     meta = {"date": date, "gpu": gpu_name(), "commit": git_commit(), "torch": torch.__version__}
     meta.update(extra or {})
-    stem = RESULTS_DIR / f"{name}-{date}"
+    stem = root / f"{name}-{date}"
     stem.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     header = "\n".join(f"- {k}: {v}" for k, v in meta.items())
     stem.with_suffix(".md").write_text(f"# {name}\n\n{header}\n\n```\n{format_table(rows)}\n```\n")

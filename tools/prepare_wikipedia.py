@@ -1,10 +1,11 @@
 """Tokenize the local English Wikipedia sample into megatron .bin/.idx, one prefix per split.
 
-Reads `INPUT_DIR/{train-*,valid,test}.txt.xz` in place (nothing is copied into the repository) and writes under
-OUT_DIR (default `data/wikipedia-en/`, git-ignored):
+Reads `INPUT_DIR/{train-*,valid,test}.txt.xz` in place (default `../shared/data/wikipedia-en` next to the
+repository; nothing is copied into it) and writes under OUT_DIR (default `data/wikipedia-en/`, git-ignored):
   tokenizer.model / .vocab            SentencePiece BPE trained on a sample of training articles
   {train,valid,test}_text_document.*  one document per article, EOD after each
-and prints the DataConfig fields to train on them (per-split blends, since the corpus comes pre-split).
+and prints the `data.*` overrides to train on them (per-split blends, since the corpus comes pre-split), ready to
+paste after `megahybrid train --config ...`.
 
 Article splitting. The files hold articles as a title line followed by paragraphs, every block separated by
 one blank line, with no explicit article boundary. A block starts a new article when it is a single line of at
@@ -12,7 +13,8 @@ most 120 characters and 15 words that does not end like a sentence (. ! ? , ; :)
 did (or the file starts). A missed or spurious boundary only merges or splits an article, which changes
 nothing for packed language-model samples. Title-only articles (no paragraph) are dropped.
 
-Usage: python tools/prepare_wikipedia.py [--out-dir DIR] [--vocab-size 32000] [--max-docs N] [--workers N]
+Usage: python tools/prepare_wikipedia.py [--input-dir DIR] [--out-dir DIR] [--vocab-size 32000] [--max-docs N]
+       [--workers N]
 """
 import argparse
 import glob
@@ -22,13 +24,14 @@ import random
 import sys
 from collections.abc import Iterator
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
 
 from megahybrid.data.config import DataError  # noqa: E402
 from megahybrid.data.preprocess import preprocess_dataset  # noqa: E402
 from megahybrid.data.tokenizer import train_sentencepiece  # noqa: E402
 
-DEFAULT_INPUT = "/work/shared/data/wikipedia-en"
+DEFAULT_INPUT = os.path.join(os.path.dirname(REPO), "shared", "data", "wikipedia-en")
 SPLIT_FILES = {"train": "train-*.txt.xz", "valid": "valid.txt.xz", "test": "test.txt.xz"}
 _SENTENCE_END = (".", "!", "?", ",", ";", ":")
 
@@ -83,7 +86,8 @@ def iter_articles(paths: list[str], max_docs: int | None = None) -> Iterator[dic
 def split_paths(input_dir: str, split: str) -> list[str]:
     paths = sorted(glob.glob(os.path.join(input_dir, SPLIT_FILES[split])))
     if not paths:
-        raise DataError(f"--input-dir: no {SPLIT_FILES[split]} in {input_dir}: point it at the wikipedia-en folder")
+        raise DataError(f"--input-dir: no {SPLIT_FILES[split]} in {input_dir}: point --input-dir at the "
+                        "wikipedia-en folder")
     return paths
 
 
@@ -104,7 +108,7 @@ def train_tokenizer(paths: list[str], out_dir: str, vocab_size: int, sample_docs
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--input-dir", default=DEFAULT_INPUT)
+    parser.add_argument("--input-dir", default=DEFAULT_INPUT, help="the wikipedia-en folder (default: %(default)s)")
     parser.add_argument("--out-dir", default="data/wikipedia-en")
     parser.add_argument("--vocab-size", type=int, default=32000)
     parser.add_argument("--tokenizer-sample-docs", type=int, default=20000, help="articles to train the tokenizer on")
@@ -129,8 +133,15 @@ def main(argv: list[str] | None = None) -> int:
     except DataError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    print("DataConfig: tokenizer_model=" + model + " " + " ".join(f"{s}_prefixes=[{p}]" for s, p in prefixes.items()))
+    print("overrides: " + train_overrides(model, prefixes))
     return 0
+
+
+def train_overrides(tokenizer_model: str, prefixes: dict[str, str]) -> str:
+    """`megahybrid train` overrides for the prepared files (absolute paths, so they work from any directory)."""
+    fields = [f"data.tokenizer_model={os.path.abspath(tokenizer_model)}"]
+    fields += [f"data.{split}_prefixes=[{os.path.abspath(prefix)}]" for split, prefix in prefixes.items()]
+    return " ".join(fields)
 
 
 if __name__ == "__main__":

@@ -7,6 +7,11 @@ from megahybrid.errors import ConfigError
 
 INTERDOMAIN_VARIANTS = ("full", "normalized", "generic-query", "dual-contraction")
 
+RECOMPUTE = ("none", "selective", "full")
+RECOMPUTE_MODULES = ("core_attn", "mlp")
+# Fields that change how a model is initialized or run, not its weights: a checkpoint resumes across them.
+NOT_IN_WEIGHTS = ("init_std", "recompute", "recompute_modules", "recompute_num_layers")
+
 
 @dataclass
 class InterdomainOptions:
@@ -118,6 +123,12 @@ class ModelConfig:
     init_std: float = 0.02
     interdomain: InterdomainOptions = dataclasses.field(default_factory=InterdomainOptions)
     nats: NatsOptions = dataclasses.field(default_factory=NatsOptions)
+    # Activation recomputation (megatron-core's recompute_granularity): "none"; "selective" recomputes the
+    # `recompute_modules` of each layer (core_attn, mlp; default core_attn); "full" recomputes whole layers:
+    # every layer, or the first `recompute_num_layers` when given (megatron's block method).
+    recompute: str = "none"
+    recompute_modules: list | None = None
+    recompute_num_layers: int | None = None
 
     def __post_init__(self):
         self.validate()
@@ -170,6 +181,24 @@ class ModelConfig:
                 f"model.pattern {self.pattern!r} (length {len(self.pattern)}) does not tile "
                 f"model.num_layers={self.num_layers}; give a pattern whose length divides num_layers"
             )
+        self._validate_recompute()
+
+    def _validate_recompute(self) -> None:
+        if self.recompute not in RECOMPUTE:
+            raise ConfigError(f"model.recompute={self.recompute!r}: choose one of {', '.join(RECOMPUTE)}")
+        if self.recompute_modules is not None:
+            if self.recompute != "selective":
+                raise ConfigError("model.recompute_modules applies to model.recompute=selective only; remove it")
+            bad = sorted(set(self.recompute_modules) - set(RECOMPUTE_MODULES))
+            if bad or not self.recompute_modules:
+                raise ConfigError(f"model.recompute_modules={self.recompute_modules}: choose from "
+                                  f"{list(RECOMPUTE_MODULES)} (others need TransformerEngine)")
+        if self.recompute_num_layers is not None:
+            if self.recompute != "full":
+                raise ConfigError("model.recompute_num_layers applies to model.recompute=full only; remove it")
+            if not 1 <= self.recompute_num_layers <= self.num_layers:
+                raise ConfigError(f"model.recompute_num_layers={self.recompute_num_layers} must lie in "
+                                  f"[1, model.num_layers={self.num_layers}]")
 
     def replace(self, **overrides) -> "ModelConfig":
         known = {f.name for f in dataclasses.fields(self)}

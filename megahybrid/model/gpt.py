@@ -55,7 +55,19 @@ def transformer_config(cfg: ModelConfig, layout: ParallelLayout, precision: str 
         apply_rope_fusion=False,
         persist_layer_norm=False,
         gradient_accumulation_fusion=False,
+        **recompute_fields(cfg),
     )
+
+
+def recompute_fields(cfg: ModelConfig) -> dict:
+    """ModelConfig.recompute as megatron-core TransformerConfig fields."""
+    if cfg.recompute == "selective":
+        return {"recompute_granularity": "selective", "recompute_modules": list(cfg.recompute_modules or ["core_attn"])}
+    if cfg.recompute == "full":
+        block = cfg.recompute_num_layers is not None
+        return {"recompute_granularity": "full", "recompute_method": "block" if block else "uniform",
+                "recompute_num_layers": cfg.recompute_num_layers if block else 1}
+    return {}
 
 
 def build_model(cfg: ModelConfig, layout: ParallelLayout, precision: str = "fp32", initialize: bool = True) -> GPTModel:

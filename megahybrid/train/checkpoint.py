@@ -336,7 +336,7 @@ class CheckpointManager:
 
         import yaml
 
-        from megahybrid.model.config import preset
+        from megahybrid.model.config import NOT_IN_WEIGHTS, preset
         from megahybrid.train.config import from_dict
 
         path = os.path.join(self.root, tag, "config.yaml")
@@ -344,7 +344,8 @@ class CheckpointManager:
             saved_cfg = from_dict(yaml.safe_load(f))
         saved = dataclasses.asdict(preset(saved_cfg.model.preset, **saved_cfg.model.overrides))
         ours = dataclasses.asdict(model)
-        changed = [f"model.{k} {saved[k]} -> {ours[k]}" for k in saved if k != "init_std" and saved[k] != ours[k]]
+        changed = [f"model.{k} {saved[k]} -> {ours[k]}" for k in saved
+                   if k not in NOT_IN_WEIGHTS and saved[k] != ours[k]]
         if changed:
             raise UserError(
                 f"checkpoint {os.path.join(self.root, tag)} holds another model ({', '.join(changed)}): resume with "

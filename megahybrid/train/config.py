@@ -41,9 +41,11 @@ class ParallelSection:
 @dataclass
 class DataSection:
     """Either the built-in corpus (prepared under `builtin_dir` on first use) or preprocessed .bin/.idx prefixes.
-    All other keys are megahybrid.data.config.DataConfig fields (prefixes, weights, split, tokenizer_model, ...)."""
+    All other keys are megahybrid.data.config.DataConfig fields (prefixes, weights, split, tokenizer_model, ...).
+    `synthetic`: uniformly random tokens instead (benchmarks, smoke tests); no data file is read."""
 
     builtin: bool = False
+    synthetic: bool = False
     builtin_dir: str = "data/builtin"
     builtin_vocab_size: int = 2048
     builtin_num_docs: int = 12000
@@ -67,6 +69,9 @@ class OptimizerSection:
     warmup_steps: int = 100
     schedule: str = "cosine"
     grad_clip: float = 1.0
+    # On resume the schedule saved in the checkpoint is kept (a larger train.steps continues at its end);
+    # true replaces it with the one this config describes.
+    reschedule: bool = False
 
 
 @dataclass
@@ -77,7 +82,9 @@ class TrainSection:
     deepspeed_config: str = "zero1"
     deterministic: bool = False
     max_consecutive_nonfinite: int = 5
-    compile: bool = False  # torch.compile the model through the DeepSpeed engine (see tools/bench_train.py)
+    # torch.compile the model through the DeepSpeed engine: auto = on with a GPU (measured faster, issue #15),
+    # off on CPU; true / false force it.
+    compile: bool | str = "auto"
 
 
 @dataclass
@@ -282,9 +289,10 @@ def validate(cfg: RunConfig, world_size: int, has_gpu: bool, check_data: bool = 
     _check_numbers(cfg)
     _check_batch(cfg, layout)
     precision = resolved_precision(cfg, has_gpu)
+    resolved_compile(cfg, has_gpu)
     ds = load_deepspeed_config(cfg.train.deepspeed_config)
     _check_zero(cfg, ds, layout, has_gpu)
-    if check_data and not cfg.data.builtin:
+    if check_data and not cfg.data.builtin and not cfg.data.synthetic:
         data_config(cfg).validate(model.seq_length, model.vocab_size)
     return model, layout, ds, precision
 
@@ -316,6 +324,8 @@ def _check_numbers(cfg: RunConfig) -> None:
         raise ConfigError(f"optimizer.schedule={o.schedule!r}: choose cosine, linear or constant")
     if cfg.eval.iters < 0:
         raise ConfigError(f"eval.iters={cfg.eval.iters} must be >= 0 (0 = no validation)")
+    if cfg.data.builtin and cfg.data.synthetic:
+        raise ConfigError("data.builtin=true and data.synthetic=true: choose one")
     if cfg.data.builtin and cfg.data.fields.get("prefixes"):
         raise ConfigError("data.builtin=true and data.prefixes are both set: use the built-in corpus or your prefixes")
 
@@ -339,6 +349,13 @@ def resolved_precision(cfg: RunConfig, has_gpu: bool) -> str:
     if value == "bf16" and not has_gpu:
         raise ConfigError("train.precision=bf16 needs a GPU; use auto or fp32 on CPU")
     return value
+
+
+def resolved_compile(cfg: RunConfig, has_gpu: bool) -> bool:
+    value = cfg.train.compile
+    if value not in (True, False, "auto"):
+        raise ConfigError(f"train.compile={value!r}: choose auto (on with a GPU, off on CPU), true or false")
+    return has_gpu if value == "auto" else value
 
 
 def resolve_deepspeed_path(name_or_path: str) -> Path:

@@ -1,12 +1,42 @@
 """Adapter from our run config to the data pipeline (megahybrid.data): built-in corpus preparation, the
-DataConfig, train/valid datasets and the resumable micro-batch loader."""
+DataConfig, train/valid datasets and the resumable micro-batch loader; random tokens for `data.synthetic`."""
+from dataclasses import dataclass
+
+import torch
+
 from megahybrid.data.loader import MicroBatchLoader
 from megahybrid.train.config import RunConfig, data_config
+
+
+@dataclass
+class SyntheticData:
+    """Stands in for a DataConfig when data.synthetic is set."""
+
+    seed: int
+    vocab_size: int
+    num_workers: int = 0
+
+
+class RandomTokens(torch.utils.data.Dataset):
+    """Uniform random token sequences, sample i drawn from its own seed (the same on every rank and resume)."""
+
+    def __init__(self, num_samples: int, seq_length: int, vocab_size: int, seed: int):
+        self.num_samples, self.seq_length, self.vocab_size, self.seed = num_samples, seq_length, vocab_size, seed
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def __getitem__(self, index: int) -> dict:
+        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
+        tokens = torch.randint(0, self.vocab_size, (self.seq_length + 1,), generator=gen)
+        return {"tokens": tokens[:-1], "labels": tokens[1:], "loss_mask": torch.ones(self.seq_length)}
 
 
 def prepare_data(cfg: RunConfig, seq_length: int, vocab_size: int):
     """The validated DataConfig; the built-in corpus is generated, tokenized and preprocessed first (cached,
     file-locked, so every rank may call this before any process group exists)."""
+    if cfg.data.synthetic:
+        return SyntheticData(cfg.train.seed, vocab_size)
     builtin = None
     if cfg.data.builtin:
         from megahybrid.data.builtin import prepare_builtin
@@ -24,6 +54,8 @@ def build_splits(cfg: RunConfig, data, seq_length: int, groups):
 
     train_samples = cfg.train.steps * cfg.batch.global_batch_size
     valid_samples = cfg.eval.iters * cfg.batch.global_batch_size
+    if isinstance(data, SyntheticData):
+        return RandomTokens(train_samples, seq_length, data.vocab_size, data.seed), None
     splits = build_datasets(data, seq_length, (train_samples, valid_samples, 0))
     return splits.train, splits.valid
 

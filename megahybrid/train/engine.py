@@ -109,7 +109,7 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
 
 class LRSchedule:
     """Linear warmup to `lr`, then cosine / linear decay to `min_lr` at `total_steps` (or constant).
-    Stateless in the step, so resuming needs only the step counter."""
+    A function of the step: resuming needs the step counter and these numbers (saved in trainer_state.json)."""
 
     def __init__(self, lr: float, min_lr: float, warmup_steps: int, total_steps: int, kind: str = "cosine"):
         self.lr, self.min_lr, self.warmup, self.total, self.kind = lr, min_lr, warmup_steps, total_steps, kind
@@ -126,6 +126,15 @@ class LRSchedule:
 
     def state_dict(self) -> dict:
         return dict(lr=self.lr, min_lr=self.min_lr, warmup_steps=self.warmup, total_steps=self.total, kind=self.kind)
+
+    @classmethod
+    def from_state(cls, state: dict) -> "LRSchedule":
+        return cls(**state)
+
+    def describe(self) -> str:
+        if self.kind == "constant":
+            return f"constant {self.lr:.3g} after {self.warmup} warmup steps"
+        return f"{self.kind} {self.lr:.3g} -> {self.min_lr:.3g} at step {self.total}, {self.warmup} warmup steps"
 
 
 def set_lr(optimizer, lr: float) -> None:

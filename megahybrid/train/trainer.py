@@ -6,9 +6,11 @@ checkpoint, output directories); 3 stopped by SIGTERM/SIGUSR1/Ctrl-C after savin
 with nothing to save (requeue and it resumes); 4 stopped after `train.max_consecutive_nonfinite` non-finite losses
 or gradient norms in a row (checkpoint saved); 130 a second Ctrl-C aborted without saving.
 """
+import json
 import logging
 import math
 import os
+import shlex
 import signal
 import sys
 import time
@@ -20,8 +22,8 @@ import torch.distributed as dist
 from megahybrid.errors import UserError
 from megahybrid.outputs import check_writable
 from megahybrid.train import rundir
-from megahybrid.train.checkpoint import CheckpointManager, all_gather
-from megahybrid.train.config import RunConfig, validate, zero_stage
+from megahybrid.train.checkpoint import TRAINER_STATE, CheckpointManager, all_gather
+from megahybrid.train.config import RunConfig, resolved_compile, validate, zero_stage
 from megahybrid.train.data import build_splits, prepare_data, train_loader, valid_loader
 from megahybrid.train.engine import LRSchedule, build_engine, set_lr
 from megahybrid.train.metrics import TrainLogger, flops_per_token, memory_mib, model_metrics, say
@@ -76,10 +78,9 @@ class Trainer:
         self.init_source = self._init_weights(resume)
         self.engine, self.optimizer, self.ds_config = build_engine(
             self.model, self.cfg, self.groups, plan.ds_base, plan.precision)
-        if self.cfg.train.compile:
+        self.compiled = resolved_compile(self.cfg, torch.cuda.is_available())
+        if self.compiled:
             self.engine.compile()
-        o = self.cfg.optimizer
-        self.schedule = LRSchedule(o.lr, o.min_lr, o.warmup_steps, self.cfg.train.steps, o.schedule)
         self.gas = self.engine.gradient_accumulation_steps()
         self.flops_per_token = flops_per_token(plan.model)
         self.num_params = count_parameters(plan.model)
@@ -88,6 +89,7 @@ class Trainer:
         self.ckpt = CheckpointManager(self.cfg.checkpoint_dir, self.cfg.checkpoint.keep, warn=self._warn,
                                       hooks=self._checkpoint_hook)
         self.resume_tag = self._resume() if resume else self._refuse_existing()
+        self.schedule = self._run_schedule()
         train_ds, self.valid_ds = build_splits(self.cfg, plan.data, plan.model.seq_length, self.groups)
         if self.valid_ds is None and self.cfg.eval.iters > 0:
             self._warn(f"warning: eval.iters={self.cfg.eval.iters} but the validation split is empty (data.split="
@@ -149,6 +151,25 @@ class Trainer:
         self.consecutive_nonfinite = state["consecutive_nonfinite"]
         return tag
 
+    def _run_schedule(self) -> LRSchedule:
+        """The config's LR schedule; on resume the one saved with the run unless optimizer.reschedule, so that a
+        larger train.steps does not silently raise the learning rate again."""
+        o = self.cfg.optimizer
+        configured = LRSchedule(o.lr, o.min_lr, o.warmup_steps, self.cfg.train.steps, o.schedule)
+        saved = self._saved_schedule()
+        if saved is None or o.reschedule or saved.state_dict() == configured.state_dict():
+            return configured
+        self._warn(f"keeping the LR schedule saved with the run ({saved.describe()}); this config asks for "
+                   f"{configured.describe()}: set optimizer.reschedule=true to switch to it")
+        return saved
+
+    def _saved_schedule(self) -> LRSchedule | None:
+        if self.resume_tag is None:
+            return None
+        with open(os.path.join(self.cfg.checkpoint_dir, self.resume_tag, TRAINER_STATE)) as f:
+            state = json.load(f).get("lr_schedule")
+        return LRSchedule.from_state(state) if state else None
+
     def _refuse_existing(self) -> None:
         if self.ckpt.tags():
             raise UserError(
@@ -188,10 +209,14 @@ class Trainer:
             loss_sum += loss.detach().double()
             if micro < self.gas - 1:
                 self.engine.step()
-        flags = torch.stack([loss_sum, (~torch.isfinite(loss_sum)).double(),
-                             torch.tensor(float(self.stop.requested), dtype=torch.float64, device=loss_sum.device)])
+        # new_full is a fill on the device; torch.tensor(..., device=) would be a blocking host-to-device copy.
+        stop = loss_sum.new_full((), float(self.stop.requested))
+        flags = torch.stack([loss_sum, (~torch.isfinite(loss_sum)).double(), stop])
         dist.all_reduce(flags)
-        skip = flags[1].item() > 0
+        # Our one host sync in the step (the skip decision; loss and stop flag come with it). DeepSpeed's ZeRO
+        # step adds its own (its gradient clipping reads the norm on the host).
+        loss_total, nonfinite, stop = flags.tolist()
+        skip = nonfinite > 0
         self.optimizer.skipping = skip
         try:
             self.engine.step()
@@ -203,8 +228,8 @@ class Trainer:
         self.step += 1
         self.skipped += int(skip)
         self.consecutive_nonfinite = self.consecutive_nonfinite + 1 if skip else 0
-        return {"loss": flags[0].item() / (self.gas * dist.get_world_size()), "lr": lr, "skip": skip,
-                "stop": flags[2].item() > 0, "grad_norm": float(norm) if norm is not None else float("nan")}
+        return {"loss": loss_total / (self.gas * dist.get_world_size()), "lr": lr, "skip": skip,
+                "stop": stop > 0, "grad_norm": float(norm) if norm is not None else float("nan")}
 
     def _loss(self, batch: dict) -> torch.Tensor:
         from megahybrid.model.cp import shard_batch
@@ -258,7 +283,8 @@ class Trainer:
             f"# derived: world_size={self.plan.world_size} tp={lay.tp} cp={lay.cp} dp={lay.dp} "
             f"grad_accumulation={self.gas} precision={self.plan.precision} zero_stage={zero_stage(self.ds_config)} "
             f"params={self.num_params / 1e6:.2f}M flops_per_token={self.flops_per_token:.3e} "
-            f"device={self.engine.device} {_state_line(self.plan.model, lay.cp, self.plan.precision)}"
+            f"compile={self.compiled} device={self.engine.device} "
+            f"{_state_line(self.plan.model, lay.cp, self.plan.precision)}"
         )
         text = self.cfg.to_yaml() + derived
         print("resolved config:\n" + text, flush=True)
@@ -320,9 +346,13 @@ class Trainer:
                   file=sys.stderr, flush=True)
         else:
             print(f"training finished at step {self.step}: checkpoint {path}", flush=True)
-        print(f"resume: python -m megahybrid train --config {os.path.join(self.cfg.run_dir, 'config.yaml')} "
-              f"[train.steps=N to go further] (continues from {self.cfg.checkpoint_dir}/latest)\n"
-              f"tensorboard: tensorboard --logdir {self.cfg.tensorboard_dir}", flush=True)
+        python, world = shlex.quote(sys.executable), self.plan.world_size
+        ranks = "" if world == 1 else f"--nproc-per-node {world} "
+        where = "" if world == 1 else "; on one node, else with your torchrun / srun / mpirun line"
+        config = shlex.quote(os.path.join(self.cfg.run_dir, "config.yaml"))
+        print(f"resume: {python} -m megahybrid train {ranks}--config {config} [train.steps=N to go further] "
+              f"(continues from {self.cfg.checkpoint_dir}/latest{where})\n"
+              f"tensorboard: {python} -m tensorboard.main --logdir {shlex.quote(self.cfg.tensorboard_dir)}", flush=True)
 
 
 def _state_line(model_cfg, cp: int, precision: str) -> str:

@@ -1,0 +1,192 @@
+"""What a new user meets: activation recomputation settings train like no recomputation, printed commands work
+as printed, an extended run keeps its LR schedule, config errors under torchrun are one line and exit 2, and the
+small command-line conveniences (--version, the torch extensions cache, prepare_wikipedia's defaults)."""
+import pytest
+
+from megahybrid.errors import ConfigError
+from megahybrid.model.config import preset
+from tests.dist import run_on_ranks
+from tests.test_train_resume import data_dir  # noqa: F401  (fixture)
+from tests.utils import rel_rms_error
+
+RECOMPUTE_SETTINGS = {
+    "selective": {"recompute": "selective"},
+    "selective_mlp": {"recompute": "selective", "recompute_modules": ["core_attn", "mlp"]},
+    "full": {"recompute": "full"},
+    "full_block": {"recompute": "full", "recompute_num_layers": 2},
+}
+RECOMPUTE_LOSS_TOL = 1e-6  # fp32, the same kernels run again: only summation order could differ
+
+
+def _losses_per_setting(rank, world):
+    import torch
+    from megatron.core.tensor_parallel import random as mp_random
+
+    from megahybrid.distributed import init_distributed, shutdown
+    from megahybrid.model.gpt import build_model
+    from megahybrid.parallel import ParallelLayout
+    from tests.minimal_train import train_steps
+
+    groups = init_distributed(ParallelLayout())
+    calls, original = [0], mp_random.CheckpointFunction.apply
+
+    def counted(*args):
+        calls[0] += 1
+        return original(*args)
+
+    mp_random.CheckpointFunction.apply = counted
+    out = {}
+    for name, fields in {"none": {}, **RECOMPUTE_SETTINGS}.items():
+        calls[0] = 0
+        cfg = preset("tiny", num_layers=4, **fields)
+        torch.manual_seed(0)  # the same initial weights for every setting
+        out[name] = (train_steps(build_model(cfg, groups.layout), cfg, groups, 3, 4), calls[0])
+    shutdown()
+    return out
+
+
+def test_recompute_settings_train_like_no_recompute():
+    import torch
+
+    results = run_on_ranks(_losses_per_setting, 1)[0]
+    reference, calls = results["none"]
+    assert calls == 0
+    for name in RECOMPUTE_SETTINGS:
+        losses, calls = results[name]
+        assert calls > 0, f"{name}: nothing was recomputed"
+        err = rel_rms_error(torch.tensor(losses), torch.tensor(reference))
+        assert err <= RECOMPUTE_LOSS_TOL, f"{name}: losses {losses} vs {reference} (rel RMS {err:.2e})"
+
+
+@pytest.mark.parametrize("fields,message", [
+    ({"recompute": "some"}, "model.recompute='some': choose one of none, selective, full"),
+    ({"recompute": "selective", "recompute_modules": ["layernorm"]}, "others need TransformerEngine"),
+    ({"recompute_num_layers": 2}, "applies to model.recompute=full only"),
+    ({"recompute": "full", "recompute_num_layers": 9}, "must lie in [1, model.num_layers=2]"),
+])
+def test_bad_recompute_messages(fields, message):
+    with pytest.raises(ConfigError, ) as err:
+        preset("tiny", **fields)
+    assert message in str(err.value)
+
+
+def _records(run_dir, key) -> dict[int, float]:
+    import json
+    import os
+
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return {r["step"]: r[key] for r in map(json.loads, f) if key in r}
+
+
+def _printed(stdout, prefix) -> list[str]:
+    """The command after `prefix` in the output, without the bracketed hint and the parenthesized note."""
+    import shlex
+
+    line = next(line for line in stdout.splitlines() if line.startswith(prefix))
+    return shlex.split(line[len(prefix):].split(" [")[0].split(" (")[0])
+
+
+def test_extended_run_keeps_its_lr_schedule_and_printed_commands_work(data_dir, tmp_path):  # noqa: F811
+    import subprocess
+    import sys
+
+    from megahybrid.train.engine import LRSchedule
+    from tests.test_train_resume import _args, _env, run
+
+    run_dir = str(tmp_path / "run")
+    run(_args(run_dir, data_dir, 4))
+    (_, stdout, stderr), = run(_args(run_dir, data_dir, 6))
+    assert "keeping the LR schedule saved with the run (cosine 0.003 -> 0.0003 at step 4" in stderr
+    assert "set optimizer.reschedule=true" in stderr
+    lrs = _records(run_dir, "train/lr")
+    assert lrs[5] == lrs[6] == pytest.approx(3e-4), lrs  # the original schedule ended at min_lr
+    resume = _printed(stdout, "resume: ")
+    assert resume[:3] == [sys.executable, "-m", "megahybrid"], resume
+    # Recomputation does not change the weights: a run resumes across it.
+    extend = ["train.steps=8", "optimizer.reschedule=true", "model.recompute=full"]
+    rerun = subprocess.run(resume + extend, env=_env(), capture_output=True, text=True, timeout=300)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    lrs = _records(run_dir, "train/lr")
+    assert lrs[7] == pytest.approx(LRSchedule(3e-3, 3e-4, 1, 8)(6)) and lrs[7] > 2 * lrs[6], lrs
+    tensorboard = _printed(stdout, "tensorboard: ")
+    assert tensorboard[:3] == [sys.executable, "-m", "tensorboard.main"], tensorboard
+    version = subprocess.run(tensorboard[:3] + ["--version_tb"], capture_output=True, text=True, timeout=120)
+    assert version.returncode == 0 and version.stdout.strip(), version.stderr[-2000:]
+
+
+@pytest.mark.dist
+def test_launchers_report_config_errors_in_one_line_and_pass_exit_codes(data_dir, tmp_path):  # noqa: F811
+    import re
+    import subprocess
+    import sys
+
+    from tests.test_train_resume import EXIT_NONFINITE, _args, _env, finish, launch
+
+    ours = [sys.executable, "-m", "megahybrid", "train", "--config", "demo", "--nproc-per-node", "2"]
+    bad = subprocess.run(ours + ["train.steps=-1"], env=_env(), capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and bad.stderr.splitlines() == ["error: train.steps=-1 must be > 0"], bad.stderr
+    (_, stdout, stderr), = finish(launch(["train", "--config", "demo", "train.steps=-1"], world=2, style="torchrun"))
+    assert (stdout + stderr).count("error: train.steps=-1 must be > 0") == 1, stderr  # once, not once per rank
+    args = _args(str(tmp_path / "nan"), data_dir, 4, "debug.nan_loss_steps=[1,2]", "train.max_consecutive_nonfinite=2")
+    stopped = subprocess.run(ours + args[3:], env=_env(), capture_output=True, text=True, timeout=300)
+    assert stopped.returncode == EXIT_NONFINITE, stopped.stderr[-3000:]
+    assert "error: 2 steps in a row had a non-finite loss" in stopped.stderr
+    assert re.search(f"error: rank [01] exited with code {EXIT_NONFINITE}; its output is above", stopped.stderr)
+
+
+def _tool(name):
+    import importlib
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
+    return importlib.import_module(name)
+
+
+def test_prepare_wikipedia_defaults_next_to_the_repo_and_prints_data_overrides(tmp_path, capsys):
+    import os
+
+    prepare = _tool("prepare_wikipedia")
+    assert prepare.DEFAULT_INPUT == os.path.join(os.path.dirname(prepare.REPO), "shared", "data", "wikipedia-en")
+    assert prepare.main(["--input-dir", str(tmp_path / "absent"), "--out-dir", str(tmp_path / "out")]) == 2
+    assert "point --input-dir at the wikipedia-en folder" in capsys.readouterr().err
+    text = prepare.train_overrides("out/tokenizer.model", {"train": "out/train_text_document"})
+    assert text == (f"data.tokenizer_model={os.path.abspath('out/tokenizer.model')} "
+                    f"data.train_prefixes=[{os.path.abspath('out/train_text_document')}]")
+
+
+def test_version_extensions_cache_and_compile_default(capsys, monkeypatch):
+    import os
+
+    from megahybrid import __version__
+    from megahybrid.cli import default_torch_extensions_dir, main
+    from megahybrid.train.config import load_config, resolved_compile
+
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0 and capsys.readouterr().out.strip() == f"megahybrid {__version__}"
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    assert default_torch_extensions_dir() == os.path.join(repo, ".cache", "torch_extensions")  # as the Makefile
+    monkeypatch.setattr(os, "environ", {k: v for k, v in os.environ.items() if k != "TORCH_EXTENSIONS_DIR"})
+    assert main(["train", "--config", "demo", "train.steps=0"]) == 2
+    assert os.environ["TORCH_EXTENSIONS_DIR"] == default_torch_extensions_dir()
+    assert [resolved_compile(load_config("demo"), gpu) for gpu in (False, True)] == [False, True]
+    assert not resolved_compile(load_config("demo", ["train.compile=off"]), True)
+    with pytest.raises(ConfigError, match="train.compile='fast': choose auto"):
+        resolved_compile(load_config("demo", ["train.compile=fast"]), True)
+
+
+@pytest.mark.slow
+def test_bench_train_runs_the_trainer_step_and_the_baseline_on_cpu(tmp_path):
+    import json
+
+    bench = _tool("bench_train")
+    rc = bench.main(["--rows", "tiny:full:2", "--seq", "128", "--tokens", "512", "--steps", "2", "--warmup", "1",
+                     "--results-dir", str(tmp_path)])
+    (path,) = tmp_path.glob("bench_train-*.json")
+    saved = json.loads(path.read_text())
+    assert rc == 0, saved["rows"]
+    assert [(r["system"], r["recompute"], r["gas"]) for r in saved["rows"]] == [("megahybrid", "full", 2),
+                                                                                ("baseline", "none", 2)]
+    assert all(r["tok/s"] > 0 and r["TFLOP/s"] > 0 and r["status"] == "ok" for r in saved["rows"])
+    assert {"date", "gpu", "commit", "timed", "flops_per_token"} <= set(saved["meta"])
