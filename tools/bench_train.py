@@ -44,16 +44,17 @@ COLUMNS = ["system", "preset", "recompute", "micro", "gas", "seq", "compile", "t
 DEFAULT_ROWS = ["125m:none:8", "350m:none:8", "1.3b:none:4", "1.3b:selective_mlp:4", "1.3b:full:4"]
 
 
-def plan_rows(specs: list[str]) -> list[dict]:
-    """megahybrid rows in the given order, each preset's baseline right after its first row."""
+def plan_rows(specs: list[str], baseline: bool = True) -> list[dict]:
+    """megahybrid rows in the given order, each preset's baseline right after its first row (unless not
+    `baseline`). PRESET may carry a pattern, `natsl-340m@G`: the preset's shape with every layer that mixer."""
     rows, seen = [], set()
     for spec in specs:
         preset, recompute, micro = spec.split(":")
         if recompute not in RECOMPUTE:
             raise SystemExit(f"--rows {spec}: recompute must be one of {', '.join(RECOMPUTE)}")
         rows.append({"system": "megahybrid", "preset": preset, "recompute": recompute, "micro": int(micro)})
-        if preset not in seen:
-            seen.add(preset)
+        if baseline and preset.split("@")[0] not in seen:
+            seen.add(preset.split("@")[0])
             rows.append({"system": "baseline", "preset": preset, "recompute": "none", "micro": int(micro)})
     return rows
 
@@ -64,7 +65,7 @@ def megahybrid_step(row: dict, args, run_dir: str):
 
     cfg = from_dict({
         "run_dir": run_dir,
-        "model": {"preset": row["preset"], "seq_length": args.seq, **RECOMPUTE[row["recompute"]]},
+        "model": {**_preset_fields(row["preset"]), "seq_length": args.seq, **RECOMPUTE[row["recompute"]]},
         "data": {"synthetic": True},
         "batch": {"global_batch_size": args.tokens // args.seq, "micro_batch_size": row["micro"]},
         "optimizer": {"warmup_steps": 1},
@@ -78,6 +79,12 @@ def megahybrid_step(row: dict, args, run_dir: str):
     return (lambda: trainer.train_step(batches)), trainer.plan.model, trainer.compiled, trainer.gas
 
 
+def _preset_fields(spec: str) -> dict:
+    """`NAME` or `NAME@PATTERN` as model-section fields."""
+    name, _, pattern = spec.partition("@")
+    return {"preset": name, **({"pattern": pattern} if pattern else {})}
+
+
 def baseline_step(row: dict, args):
     import torch
 
@@ -86,7 +93,7 @@ def baseline_step(row: dict, args):
     from megahybrid.model.config import preset
     from megahybrid.train.data import RandomTokens
 
-    cfg = preset(row["preset"], seq_length=args.seq)
+    cfg = preset(row["preset"].split("@")[0], seq_length=args.seq)
     global_batch = args.tokens // args.seq
     gas = global_batch // row["micro"]
     compiled = torch.cuda.is_available() if args.compile == "auto" else args.compile == "true"
@@ -168,6 +175,7 @@ def parse_args(argv=None):
     parser.add_argument("--budget-s", type=float, default=420.0, help="wall time for all rows; later rows skip")
     parser.add_argument("--row-timeout-s", type=float, default=150.0, help="wall time for one row")
     parser.add_argument("--results-dir", default=None, help="default tools/results")
+    parser.add_argument("--no-baseline", action="store_true", help="megahybrid rows only")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
@@ -185,7 +193,7 @@ def main(argv=None) -> int:
     from benchutil import format_table, save_results
 
     deadline, done = time.monotonic() + args.budget_s, []
-    for row in plan_rows(args.rows):
+    for row in plan_rows(args.rows, baseline=not args.no_baseline):
         left = deadline - time.monotonic()
         timeout = min(left, args.row_timeout_s)
         result = run_row(row, _shared_argv(args), timeout) if left > 10 else {**row, "status": "skipped: budget"}
@@ -199,7 +207,8 @@ def main(argv=None) -> int:
 
 
 def _meta(peak) -> dict:
-    return {"timed": "warm-up steps (incl. compile) excluded", "flops_per_token": "6*P_matmul + 6*L*s*h*hd",
+    return {"timed": "warm-up steps (incl. compile) excluded",
+            "flops_per_token": "megahybrid.train.metrics.flops_per_token (3 x forward; mixers from their records)",
             "matmul_peak_tflops": peak}
 
 
