@@ -159,9 +159,15 @@ def run_row(row: dict, argv: list[str], timeout: float) -> dict:
     for line in out.stdout.splitlines():
         if line.startswith(ROW_MARK):
             return json.loads(line[len(ROW_MARK):])
-    tail = (out.stderr or out.stdout).strip().splitlines()[-1:] or ["no output"]
     print(out.stderr[-4000:], file=sys.stderr)
-    return {**row, "status": f"exit {out.returncode}: {tail[0][:200]}"}
+    return {**row, "status": f"exit {out.returncode}: {_failure_line(out.stderr or out.stdout)[:300]}"}
+
+
+def _failure_line(text: str) -> str:
+    """The exception line of a failed row (the last line naming an Error), not the warnings printed after it."""
+    lines = [line for line in text.strip().splitlines() if line.strip()]
+    errors = [line for line in lines if "Error" in line or "Exception" in line]
+    return (errors or lines or ["no output"])[-1]
 
 
 def parse_args(argv=None):
