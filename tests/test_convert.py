@@ -273,3 +273,46 @@ def test_exported_model_on_gpu_matches_training_model(tmp_path):
     (theirs, ours), generated, stepwise = run_on_ranks(_gpu_export, 1, str(tmp_path))[0]
     assert_close(theirs, ours, LOGITS_TOL, "HF logits on the GPU")
     assert generated.equal(stepwise), (generated, stepwise)
+
+
+def _mixer_exports(rank, world, root, patterns):
+    """Each recurrent mixer's tiny model exported to Hugging Face format and loaded by transformers on the CPU:
+    logits and greedy generate() against the training model's full forward and token-by-token decoding."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from megahybrid.convert.api import convert, run_yaml_for
+    from megahybrid.convert.files import write_weights
+    from megahybrid.convert.local import ensure_local_groups
+    from megahybrid.model.config import preset
+    from megahybrid.model.decode import full_logits, greedy_decode_logits
+    from megahybrid.model.gpt import build_model
+    from megahybrid.parallel import ParallelLayout
+
+    ensure_local_groups()
+    out = {}
+    for pattern in patterns:
+        cfg = preset("tiny", pattern=pattern, num_layers=len(pattern))
+        model = build_model(cfg, ParallelLayout()).eval()
+        src = os.path.join(root, f"src_{pattern}")
+        os.makedirs(src)
+        write_weights({k: v.detach() for k, v in model.state_dict().items() if not k.endswith("_extra_state")}, src)
+        with open(os.path.join(src, "config.yaml"), "w") as f:
+            f.write(run_yaml_for(cfg))
+        hf_dir = convert(src, "hf", os.path.join(root, f"hf_{pattern}"))
+        hf = AutoModelForCausalLM.from_pretrained(hf_dir, trust_remote_code=True).eval()
+        tokens = torch.randint(0, cfg.vocab_size, (2, 70), generator=torch.Generator().manual_seed(1))
+        with torch.no_grad():
+            logits = (hf(tokens).logits.float(), full_logits(model, tokens))
+        generated = hf.generate(tokens[:, :8], max_new_tokens=6, do_sample=False)
+        out[pattern] = logits, generated[:, 8:], greedy_decode_logits(model, generated).argmax(-1)[:, 7:-1]
+    return out
+
+
+def test_every_mixer_exports_to_hugging_face(tmp_path):
+    from tests.utils import assert_close
+
+    for pattern, ((theirs, ours), generated, stepwise) in run_on_ranks(_mixer_exports, 1, str(tmp_path),
+                                                                         ["ID", "NG"])[0].items():
+        assert_close(theirs, ours, LOGITS_TOL, f"{pattern} HF logits")
+        assert generated.equal(stepwise), (pattern, generated, stepwise)

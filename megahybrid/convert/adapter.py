@@ -18,9 +18,11 @@ LAYER_MODULES = {
     "mlp.linear_fc1": "mlp.gate_up_proj",
     "mlp.linear_fc2": "mlp.down_proj",
 }
-# Per pattern character: the mixer's modules inside one decoder layer.
+# Per pattern character: the mixer's modules inside one decoder layer. The recurrent mixers have no Hugging Face
+# counterpart to match, so their whole module moves as one (`mixer.<our submodule path>.<parameter>`).
 MIXER_MODULES = {
     "S": {"self_attention.linear_qkv": "self_attn.qkv_proj", "self_attention.linear_proj": "self_attn.o_proj"},
+    **{char: {"self_attention": "mixer"} for char in "IDNG"},
 }
 
 
@@ -37,10 +39,15 @@ def module_map(model_cfg) -> dict[str, str]:
 
 
 def _rename(name: str, table: dict[str, str]) -> str:
+    """The parameter's module, or the nearest enclosing module that is mapped, renamed."""
     module, _, leaf = name.rpartition(".")
-    if module not in table:
-        raise UserError(f"parameter {name} has no name mapping: add its module to megahybrid/convert/adapter.py")
-    return f"{table[module]}.{leaf}"
+    inner = []
+    while module not in table:
+        if "." not in module:
+            raise UserError(f"parameter {name} has no name mapping: add its module to megahybrid/convert/adapter.py")
+        module, _, part = module.rpartition(".")
+        inner.insert(0, part)
+    return ".".join([table[module], *inner, leaf])
 
 
 def to_hf(tensors: dict, model_cfg) -> dict:
