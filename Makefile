@@ -19,7 +19,7 @@ $(STAMP): requirements-cpu.txt pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(PY) -m megahybrid train --config demo
+	$(PY) -m megahybrid train --config demo-hybrid
 
 # Open MPI's mpirun for the launcher test; where apt is not usable that test skips with the reason printed.
 mpirun-tool:

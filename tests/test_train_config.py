@@ -26,11 +26,11 @@ def _demo(builtin, *overrides):
     return load_config("demo", base + list(overrides))
 
 
-@pytest.mark.parametrize("name", ["demo", "125m", "350m", "1.3b", "natsl-340m", "natsl-340m-n", "natsl-340m-g", "natsl-340m-s", "natsl-760m"])
+@pytest.mark.parametrize("name", ["demo", "demo-hybrid", "125m", "350m", "1.3b", "natsl-340m", "natsl-340m-n", "natsl-340m-g", "natsl-340m-s", "natsl-760m"])
 def test_shipped_configs_validate(name):
-    data = [] if name == "demo" else ["data.prefixes=[/data/x]", "data.tokenizer_model=/data/x.model"]
+    data = [] if name.startswith("demo") else ["data.prefixes=[/data/x]", "data.tokenizer_model=/data/x.model"]
     cfg = load_config(name, data)
-    layout_world = 2 if name == "demo" else cfg.parallel.tp * 8
+    layout_world = 2 if name.startswith("demo") else cfg.parallel.tp * 8
     model, layout, ds, precision = validate(cfg, layout_world, has_gpu=True, check_data=False)
     assert precision == "bf16" and layout.dp == layout_world // cfg.parallel.tp and ds["zero_optimization"]["stage"] in (1, 2, 3)
     assert cfg.batch.global_batch_size % (cfg.batch.micro_batch_size * layout.dp) == 0

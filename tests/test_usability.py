@@ -190,3 +190,28 @@ def test_bench_train_runs_the_trainer_step_and_the_baseline_on_cpu(tmp_path):
                                                                                 ("baseline", "none", 2)]
     assert all(r["tok/s"] > 0 and r["TFLOP/s"] > 0 and r["status"] == "ok" for r in saved["rows"])
     assert {"date", "gpu", "commit", "timed", "flops_per_token"} <= set(saved["meta"])
+
+
+def test_end_of_run_prints_each_mixer_layers_telemetry(capsys):
+    """The run ends with the mixers' own scalars, one line per layer, named by index and pattern character."""
+    import types
+
+    import torch
+
+    from megahybrid.model.config import ModelConfig
+    from megahybrid.train.trainer import Trainer
+
+    class Telemetry(torch.nn.Module):
+        def tensorboard_scalars(self):
+            return {"kept_attention": 0.25, "state_norm": 3.0}
+
+    layers = torch.nn.ModuleList([torch.nn.Module(), torch.nn.Module()])
+    layers[1].self_attention = Telemetry()
+    model = torch.nn.Module()
+    model.decoder = torch.nn.Module()
+    model.decoder.layers = layers
+    fake = types.SimpleNamespace(model=model, plan=types.SimpleNamespace(model=ModelConfig(pattern="SN")))
+    fake._layer_name = lambda path: Trainer._layer_name(fake, path)
+    Trainer._print_telemetry(fake)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines == ["mixer telemetry (last step):", "  layer 1 (N)  kept_attention 0.25  state_norm 3"]

@@ -346,6 +346,7 @@ class Trainer:
                   file=sys.stderr, flush=True)
         else:
             print(f"training finished at step {self.step}: checkpoint {path}", flush=True)
+        self._print_telemetry()
         python, world = shlex.quote(sys.executable), self.plan.world_size
         ranks = "" if world == 1 else f"--nproc-per-node {world} "
         where = "" if world == 1 else "; on one node, else with your torchrun / srun / mpirun line"
@@ -353,6 +354,26 @@ class Trainer:
         print(f"resume: {python} -m megahybrid train {ranks}--config {config} [train.steps=N to go further] "
               f"(continues from {self.cfg.checkpoint_dir}/latest{where})\n"
               f"tensorboard: {python} -m tensorboard.main --logdir {shlex.quote(self.cfg.tensorboard_dir)}", flush=True)
+
+
+    def _print_telemetry(self) -> None:
+        """The mixers' own scalars (tensorboard_scalars) of the last step, one line per layer, at the end."""
+        per_layer: dict[str, list[str]] = {}
+        for key, value in model_metrics(self.model).items():
+            layer, _, name = key.rpartition("/")
+            per_layer.setdefault(layer, []).append(f"{name} {value:.4g}")
+        if per_layer:
+            print("mixer telemetry (last step):", flush=True)
+        for layer, values in per_layer.items():
+            print(f"  {self._layer_name(layer)}  " + "  ".join(values), flush=True)
+
+    def _layer_name(self, path: str) -> str:
+        """decoder.layers.3.self_attention -> "layer 3 (N)" (the module path where it is not a layer's)."""
+        parts = path.split(".")
+        if "layers" not in parts or not parts[parts.index("layers") + 1].isdigit():
+            return path
+        index = int(parts[parts.index("layers") + 1])
+        return f"layer {index} ({self.plan.model.layer_pattern[index]})"
 
 
 def _state_line(model_cfg, cp: int, precision: str) -> str:
