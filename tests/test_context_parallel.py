@@ -8,10 +8,16 @@ from tests.utils import assert_close
 
 LOSS_TOL = 1e-5  # fp32, reductions reordered across ranks
 GRAD_TOL = 1e-4  # relative RMS error of each full gradient
+# The recurrent mixers' S4D parameters (log_dt, A, B) get gradients summed over every token and mode, which the
+# state passing regroups (closed-form shard summaries, prefix combine): 1.7e-4 seen on log_dt of `IDS` at cp = 2.
+GRAD_TOL_RECURRENT = 1e-3
 PREFIX_TOL = 1e-5
 
 CP_PATTERNS = [
     "S",
+    "I",
+    "D",
+    "IDS",
 ]
 LAYOUTS_2 = {"cp2": dict(cp=2)}
 LAYOUTS_4 = {"cp4": dict(cp=4), "tp2_cp2": dict(tp=2, cp=2), "tp2_cp2_sp": dict(tp=2, cp=2, sequence_parallel=True)}
@@ -52,8 +58,9 @@ def test_context_parallel_matches_one_rank(reference, world, layouts):
             where = f"pattern {pattern} {name}"
             assert losses == pytest.approx(ref_losses, rel=LOSS_TOL), f"{where} losses {losses} vs {ref_losses}"
             assert grads.keys() == ref_grads.keys(), where
+            tol = GRAD_TOL_RECURRENT if set(pattern) & set("ID") else GRAD_TOL
             for key in ref_grads:
-                assert_close(grads[key], ref_grads[key], GRAD_TOL, f"{where} grad {key}")
+                assert_close(grads[key], ref_grads[key], tol, f"{where} grad {key}")
 
 
 def _prefix_checks(rank, world):

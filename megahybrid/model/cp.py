@@ -92,3 +92,14 @@ def _prefix(final_state, transition, group, apply):
     for j in range(rank):
         s = apply(transitions[j], s) + states[j]
     return s
+
+
+def previous_shard_tail(x: torch.Tensor, width: int, group) -> torch.Tensor:
+    """The last `width` rows along dim 1 of the previous rank's x [B, S, C] (zeros on rank 0): a short conv's halo.
+    Differentiable; every rank uses the gathered tensor (rank 0 through a zero term), so every rank runs the
+    backward all-reduce."""
+    tails = gather_sequence(x[:, x.shape[1] - width:], 1, group)
+    rank = dist.get_rank(group)
+    if rank == 0:
+        return torch.zeros_like(x[:, :width]) + 0 * tails.sum()
+    return tails[:, (rank - 1) * width:rank * width]

@@ -151,6 +151,30 @@ def test_discretization_and_init():
     assert torch.allclose(lin.a_im[1], torch.pi * n.float())
 
 
+SUMMARY_TOL = 1e-5  # fp32: the closed form against the chunked recurrences' sums
+
+
+def test_cp_shard_summary_is_the_zero_start_final_state():
+    """Context parallelism's closed-form shard summary equals both ops' final state from a zero start (the
+    normalized readout's eta included), over a shard that is not a whole number of chunks."""
+    from kernels.interdomain import interdomain_attention
+    from kernels.interdomain.s4d import s4d_contraction
+    from megahybrid.model.mixers.interdomain import shard_summary
+    from tests.utils import assert_close
+
+    gen = torch.Generator().manual_seed(0)
+    B, T, H, K, V, M = 2, 96, 3, 8, 5, 4
+    q, k, v = (torch.randn(B, T, H, w, generator=gen) for w in (K, K, V))
+    decay = torch.stack((-torch.rand(H, M, generator=gen) * 0.1, torch.randn(H, M, generator=gen)), -1)
+    b, c = torch.randn(H, M, 2, generator=gen), torch.randn(H, M, K, 2, generator=gen)
+    _, ref = interdomain_attention(q, k, v, decay, b, None, True, True, 64)
+    _, s4d = s4d_contraction(k, decay, b, c, None, True, 64)
+    pairs = torch.view_as_real(shard_summary(torch.cat((k, v, torch.ones(B, T, H, 1)), -1), decay, b))
+    for got, want in zip(pairs.transpose(-1, -2).split([K, V, 1], -1), ref):
+        assert_close(got.reshape(want.shape), want, SUMMARY_TOL, "interdomain summary")
+    assert_close(torch.view_as_real(shard_summary(k, decay, b)).transpose(-1, -2), s4d, SUMMARY_TOL, "s4d summary")
+
+
 ZERO_VARIANTS = {  # model.pattern=ID through `megahybrid train`'s Trainer, 2 ranks
     "zero1_dp2": {},
     "zero2_tp2_sp": {"parallel.tp": 2, "parallel.sequence_parallel": True, "train.deepspeed_config": "zero2"},

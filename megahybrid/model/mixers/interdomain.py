@@ -31,6 +31,17 @@ fp32), so their fp32 values live where all trained values do: ZeRO's fp32 master
 `single_partition_of_fp32_groups`, stage 3: `fp32_partitioned_groups_flat`); the layer reads the module copy and
 computes the discretization, C and the ops' state in fp32.
 
+Context parallelism (parallel.cp > 1, contiguous shards of S tokens, megahybrid.model.cp): each rank (1) takes
+the previous rank's last conv_size - 1 inputs of every short conv as its conv tail (one all-gather of the shard
+tails, `previous_shard_tail`), (2) forms its shard's zero-start final state in closed form, h = sum_t b
+lambda^(S-1-t) x_t (`shard_summary`: one einsum, exact, instead of a zero-start run of the core), (3) gets its
+true initial state from every rank's (h_r, lambda^S) by `prefix_states_diagonal` (complex per head, mode and
+channel; lambda^S is data-independent), and (4) runs the core once from that state for its outputs. We rerun
+rather than correct the output: the query readout is bilinear in (U, Gamma), so a correction from the initial
+state is not a sum of two runs; with the closed-form summary the core runs once per shard anyway. RoPE positions
+are global (offset cp_rank * S). Gradients flow back to earlier ranks through both all-gathers. Decoding (an
+inference context) never uses CP.
+
 What the module takes from TransformerLayer and ignores: attention_mask (the mixer is causal by construction),
 rotary_pos_emb / rotary_pos_cos / rotary_pos_sin (it applies its own RoPE over R, which need not be the softmax
 head dim; positions start at the inference offset), attention_bias; packed_seq_params must be None (documents
@@ -212,13 +223,19 @@ class _Input(torch.nn.Module):
         self.norms = torch.nn.ModuleDict({s: HeadNorm(dims, widths[s], norm_eps, cap)
                                           for s in self.names if s != "q"})
 
-    def forward(self, hidden: torch.Tensor, tail: torch.Tensor, offset: int):
-        """hidden [S(/tp with SP), B, d] -> ({segment: [B, T, H_local, width]}, new conv tail)."""
+    def forward(self, hidden: torch.Tensor, tail: torch.Tensor, offset: int, cp_group=None):
+        """hidden [S(/tp with SP), B, d] -> ({segment: [B, T, H_local, width]}, new conv tail). With a CP group the
+        tail is the previous shard's last conv inputs and positions start at this shard's global offset."""
         x, _ = self.proj(hidden)
         d = self.dims
         x = x.transpose(0, 1).reshape(x.shape[1], x.shape[0], d.n_local, -1)
         B, T = x.shape[:2]
         conv_in = x[..., :self.conv_width].reshape(B, T, -1)
+        if cp_group is not None:
+            from megahybrid.model.cp import previous_shard_tail
+
+            tail = previous_shard_tail(conv_in, d.conv_size - 1, cp_group)
+            offset += torch.distributed.get_rank(cp_group) * T
         conv_out, tail = causal_conv(conv_in, self.conv.reshape(-1, d.conv_size), tail)
         x = torch.cat((conv_out.view(B, T, d.n_local, -1), x[..., self.conv_width:]), -1)
         parts = dict(zip(self.names, x.split(self.widths, -1)))
@@ -264,6 +281,11 @@ class QueryReadout(torch.nn.Module):
         shapes = [(d.R,), (d.dh,)] + ([()] if self.normalize else [])
         return tuple(torch.zeros(batch, d.n_local, d.M, 2, *s, device=device) for s in shapes)
 
+    def state_inputs(self, parts) -> tuple[torch.Tensor, ...]:
+        """What each state tensor accumulates per token (U: the keys, Gamma: the values, eta: ones)."""
+        k, v = parts.get("k", parts.get("a")), parts.get("v", parts.get("b"))
+        return (k, v) + ((v.new_ones(*v.shape[:3], 1),) if self.normalize else ())
+
     def forward(self, parts, decay, b, state):
         from kernels.interdomain import interdomain_attention, interdomain_step
 
@@ -294,6 +316,9 @@ class ContractionReadout(torch.nn.Module):
         d = self.dims
         return (torch.zeros(batch, d.n_local, d.M, 2, d.R + d.dh, device=device),)
 
+    def state_inputs(self, parts) -> tuple[torch.Tensor, ...]:
+        return (torch.cat(list(parts.values()), -1),)
+
     def forward(self, parts, decay, b, state):
         from kernels.interdomain.s4d import s4d_contraction, s4d_contraction_step
 
@@ -303,6 +328,36 @@ class ContractionReadout(torch.nn.Module):
             return y[:, None], (new,)
         y, new = s4d_contraction(x, decay, b, self.C.float(), state[0], True, CHUNK)
         return y, (new,)
+
+
+def _cp_group(config):
+    if config.context_parallel_size == 1:
+        return None
+    from megahybrid.distributed import context_parallel_group
+
+    return context_parallel_group()
+
+
+def shard_summary(inputs: torch.Tensor, decay: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """The zero-start final state of a shard in closed form, h[m, d] = sum_t b[m] lambda[m]^(S-1-t) x_t[d]:
+    inputs [B, S, H, D] -> complex [B, H, M, D] (one einsum; the core's chunked pass would cost a full run)."""
+    S = inputs.shape[1]
+    log_lam = torch.complex(decay[..., 0], decay[..., 1])
+    lag = torch.arange(S - 1, -1, -1, device=inputs.device, dtype=torch.float32)
+    weights = torch.exp(lag[:, None, None] * log_lam) * torch.complex(b[..., 0], b[..., 1])  # [S, H, M]
+    return torch.einsum("shm,bshd->bhmd", weights, inputs.float().to(torch.complex64))
+
+
+def shard_initial_state(inputs: tuple[torch.Tensor, ...], decay, b, group, like) -> tuple[torch.Tensor, ...]:
+    """This CP rank's true initial core state, shaped as the zero state `like` (one tensor per entry of `inputs`):
+    every rank's zero-start summary and its shard transition lambda^S, combined by megahybrid.model.cp."""
+    from megahybrid.model.cp import prefix_states_diagonal
+
+    widths = [x.shape[-1] for x in inputs]
+    summary = shard_summary(torch.cat(inputs, -1), decay, b)
+    transition = torch.exp(inputs[0].shape[1] * torch.complex(decay[..., 0], decay[..., 1]))[..., None]
+    pairs = torch.view_as_real(prefix_states_diagonal(summary, transition, group)).transpose(-1, -2)
+    return tuple(p.reshape(z.shape) for p, z in zip(pairs.split(widths, -1), like))
 
 
 @dataclass
@@ -356,10 +411,14 @@ class InterdomainMixer(MegatronModule):
         """The mixer on hidden [S, B, d] continuing from `initial` (None: the sequence starts here) at position
         `offset`. Returns (out [S, B, d] before the bias-dropout-add, the final MixerState)."""
         batch = hidden.shape[1]
+        cp_group = _cp_group(self.config) if initial is None else None
         initial = initial or self.zero_state(batch, hidden.device)
-        parts, tail = self.inputs(hidden, initial.conv, offset)
+        parts, tail = self.inputs(hidden, initial.conv, offset, cp_group)
         decay, b = self.core.discretized()
-        o, state = self.readout(parts, decay, b, initial.core)
+        core = initial.core
+        if cp_group is not None:
+            core = shard_initial_state(self.readout.state_inputs(parts), decay, b, cp_group, core)
+        o, state = self.readout(parts, decay, b, core)
         key = parts.get("k", parts.get("a")).detach()
         # small tensors only (no host sync, no activation kept); tensorboard_scalars reduces them when asked
         self._last = (tuple(s.detach() for s in state), key.float().norm(dim=-1).mean())
@@ -447,6 +506,25 @@ def _cell_parts(cfg, s4d: bool):
     return spec.submodules.inputs, spec.submodules.readout, spec.params.get("normalize", False)
 
 
+def _conv_channels(cfg, s4d: bool) -> int:
+    """Short-conv channels per head: the widths of the convolved segments."""
+    inputs, readout, _ = _cell_parts(cfg, s4d)
+    _, dh, R = cfg.interdomain.heads(cfg.hidden_size, cfg.head_dim)
+    widths = {"q": R, "k": R, "a": R, "v": dh, "b": dh}
+    return sum(widths[s] for s in inputs.segments if s in inputs.convolved and (readout.query or s != "q"))
+
+
+def _cp_bytes(cfg, cp: int, element_bytes: int, s4d: bool) -> int:
+    """Two all-gathers per layer, each (cp - 1) per-rank pieces forward and an all-reduce of the gathered
+    gradient, 2 (cp - 1) pieces, backward: the conv halo (K - 1 input rows of every conv channel, in the
+    activation dtype) and the fp32 shard summary (the complex state, plus lambda^S once: an upper bound per
+    sequence when a batch shares it). Independent of the sequence length."""
+    H, _, _ = cfg.interdomain.heads(cfg.hidden_size, cfg.head_dim)
+    halo = (cfg.interdomain.conv_size - 1) * H * _conv_channels(cfg, s4d) * element_bytes
+    summary = 4 * (_state_floats(cfg, s4d) + 2 * H * cfg.interdomain.modes)
+    return 3 * (cp - 1) * (halo + summary)
+
+
 def _counts(cfg, s4d: bool) -> dict[str, int]:
     """Parameters of one layer's mixer by kind, from the same segment lists the modules are built from."""
     inputs, readout, _ = _cell_parts(cfg, s4d)
@@ -460,7 +538,7 @@ def _counts(cfg, s4d: bool) -> dict[str, int]:
     normed = [widths[s] for s in names if s != "q"]
     return {
         "matmul": d * H * sum(widths[s] for s in names) + H * out_width * d * (2 if opts.output_gate else 1),
-        "conv": H * opts.conv_size * sum(widths[s] for s in names if s in inputs.convolved),
+        "conv": H * opts.conv_size * _conv_channels(cfg, s4d),
         "ssm": H * (1 + 4 * M) + H * c_size,
         "norm": sum(normed) * (1 + H),
     }
@@ -490,6 +568,8 @@ def _state_floats(cfg, s4d: bool) -> int:
 
 INTERDOMAIN = Mixer("I", "Interdomain attention", interdomain_spec, lambda cfg: sum(_counts(cfg, False).values()),
                     lambda cfg: _flops(cfg, False), lambda cfg, context: _state_floats(cfg, False),
-                    chunk_size=CHUNK, cp=False, cache="conv tails + Interdomain state")
+                    chunk_size=CHUNK, cp=True, cp_bytes=lambda cfg, cp, nbytes: _cp_bytes(cfg, cp, nbytes, False),
+                    cache="conv tails + Interdomain state")
 S4D = Mixer("D", "S4D", s4d_spec, lambda cfg: sum(_counts(cfg, True).values()), lambda cfg: _flops(cfg, True),
-            lambda cfg, context: _state_floats(cfg, True), chunk_size=CHUNK, cp=False, cache="conv tails + S4D state")
+            lambda cfg, context: _state_floats(cfg, True), chunk_size=CHUNK, cp=True,
+            cp_bytes=lambda cfg, cp, nbytes: _cp_bytes(cfg, cp, nbytes, True), cache="conv tails + S4D state")
