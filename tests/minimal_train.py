@@ -53,3 +53,22 @@ def train_steps(model, cfg: ModelConfig, groups: Groups, steps: int, global_batc
         dist.all_reduce(reported, group=groups.dp_cp_group)
         losses.append(reported.item() / (groups.layout.dp * groups.layout.cp))
     return losses
+
+
+def losses_and_grads(cfgs: dict, layouts: dict, steps: int, before=lambda pattern: None) -> dict:
+    """(pattern, layout name) -> (per-step losses, full gradients) after `steps` steps of every model config
+    `cfgs[pattern]` under every ParallelLayout `layouts[name]`; `before(pattern)` runs ahead of a pattern's runs."""
+    from megahybrid.distributed import init_distributed, shutdown
+    from megahybrid.model.gpt import build_model
+    from megahybrid.model.sharding import full_named_tensors
+
+    out = {}
+    for pattern, cfg in cfgs.items():
+        before(pattern)
+        for name, layout in layouts.items():
+            groups = init_distributed(layout)
+            model = build_model(cfg, groups.layout)
+            losses = train_steps(model, cfg, groups, steps, global_batch=4)
+            out[pattern, name] = (losses, full_named_tensors(model, groups.tp_group, grads=True))
+    shutdown()
+    return out

@@ -24,23 +24,13 @@ LAYOUTS_4 = {"cp4": dict(cp=4), "tp2_cp2": dict(tp=2, cp=2), "tp2_cp2_sp": dict(
 
 
 def _train_layouts(rank, world, layouts, steps):
-    from tests.minimal_train import train_steps
-    from megahybrid.distributed import init_distributed, shutdown
+    from tests.minimal_train import losses_and_grads
     from megahybrid.model.config import preset
-    from megahybrid.model.gpt import build_model
-    from megahybrid.model.sharding import full_named_tensors
     from megahybrid.parallel import ParallelLayout
 
-    out = {}
-    for pattern in CP_PATTERNS:
-        cfg = preset("tiny", pattern=pattern, num_layers=max(2, len(pattern)), seq_length=256)
-        for name, dims in layouts.items():
-            groups = init_distributed(ParallelLayout.for_world(world, **dims))
-            model = build_model(cfg, groups.layout)
-            losses = train_steps(model, cfg, groups, steps, global_batch=4)
-            out[pattern, name] = (losses, full_named_tensors(model, groups.tp_group, grads=True))
-    shutdown()
-    return out
+    cfgs = {p: preset("tiny", pattern=p, num_layers=max(2, len(p)), seq_length=256) for p in CP_PATTERNS}
+    return losses_and_grads(cfgs, {name: ParallelLayout.for_world(world, **dims) for name, dims in layouts.items()},
+                            steps)
 
 
 @pytest.fixture(scope="module")

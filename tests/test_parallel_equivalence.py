@@ -24,25 +24,17 @@ LAYOUTS_4 = {"tp2_dp2_sp": dict(tp=2, dp=2, sequence_parallel=True)}
 def _train_layouts(rank, world, layouts, steps):
     import os
 
-    from tests.minimal_train import train_steps
-    from megahybrid.distributed import init_distributed, shutdown
+    from tests.minimal_train import losses_and_grads
     from megahybrid.model.config import preset
-    from megahybrid.model.gpt import build_model
-    from megahybrid.model.sharding import full_named_tensors
     from megahybrid.parallel import ParallelLayout
 
-    out = {}
-    for pattern in PATTERNS:
+    def interpreter_for(pattern):
         # N / G: the NAtS-L ops' torch CPU paths (chosen per call; their Triton kernels have their own tests).
         os.environ["TRITON_INTERPRET"] = "0" if set(pattern) <= set("SNG") else "1"
-        cfg = preset("tiny", pattern=pattern, num_layers=max(2, len(pattern)), interdomain={"modes": 8})
-        for name, dims in layouts.items():
-            groups = init_distributed(ParallelLayout(**dims))
-            model = build_model(cfg, groups.layout)
-            losses = train_steps(model, cfg, groups, steps, global_batch=4)
-            out[pattern, name] = (losses, full_named_tensors(model, groups.tp_group, grads=True))
-    shutdown()
-    return out
+
+    cfgs = {p: preset("tiny", pattern=p, num_layers=max(2, len(p)), interdomain={"modes": 8}) for p in PATTERNS}
+    return losses_and_grads(cfgs, {name: ParallelLayout(**dims) for name, dims in layouts.items()}, steps,
+                            before=interpreter_for)
 
 
 @pytest.fixture(scope="module")
