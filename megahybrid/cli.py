@@ -14,8 +14,7 @@ import sys
 from pathlib import Path
 
 from megahybrid import __version__
-
-EXIT_USER_ERROR = 2
+from megahybrid.errors import EXIT_USER_ERROR
 
 
 def _add_train_command(subparsers) -> None:
@@ -54,7 +53,6 @@ def prepare_launch_env() -> None:
     """Ranks from torchrun / srun / mpirun into RANK, WORLD_SIZE, LOCAL_RANK, and a MASTER_ADDR that is not the
     machine's public address, before torch.distributed or DeepSpeed read the environment."""
     from megahybrid.distributed import resolve_launch_env
-    from megahybrid.errors import UserError
 
     if "MASTER_ADDR" not in os.environ and "RANK" not in os.environ:
         nodelist = os.environ.get("SLURM_JOB_NODELIST") or os.environ.get("SLURM_NODELIST")
@@ -98,8 +96,6 @@ def run_train(args) -> int:
     from megahybrid.mpi import check_config_agreement
 
     check_config_agreement(cfg.to_dict())
-    if cfg.train.deterministic:
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     if args.print_config:
         from megahybrid.train.config import validate
 

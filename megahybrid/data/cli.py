@@ -7,9 +7,7 @@ User errors print one line `error: ...` to stderr and give exit code 2, without 
 import argparse
 import sys
 
-from megahybrid.data.config import DataError
-
-EXIT_USER_ERROR = 2
+from megahybrid.errors import EXIT_USER_ERROR, DataError
 
 
 def add_data_commands(subparsers) -> argparse.ArgumentParser:

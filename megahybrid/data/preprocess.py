@@ -14,8 +14,8 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from megahybrid.data.config import DataError
 from megahybrid.data.tokenizer import SentencePieceTokenizer, file_sha256, train_sentencepiece
+from megahybrid.errors import DataError
 from megahybrid.outputs import check_writable
 
 _JSON_EXT = (".jsonl", ".json", ".jsonl.gz", ".json.gz", ".jsonl.xz", ".json.xz")

@@ -272,7 +272,8 @@ def _typed(path: str, value, annotation):
 
 
 def validate(cfg: RunConfig, world_size: int, has_gpu: bool, check_data: bool = True):
-    """Check the whole config for `world_size` ranks; returns (ModelConfig, ParallelLayout, DeepSpeed dict).
+    """Check the whole config for `world_size` ranks; returns (ModelConfig, ParallelLayout, DeepSpeed dict,
+    precision).
 
     Nothing here starts a process group; data files are checked when `check_data` (after built-in preparation).
     """
@@ -291,7 +292,7 @@ def validate(cfg: RunConfig, world_size: int, has_gpu: bool, check_data: bool = 
     precision = resolved_precision(cfg, has_gpu)
     resolved_compile(cfg, has_gpu)
     ds = load_deepspeed_config(cfg.train.deepspeed_config)
-    _check_zero(cfg, ds, layout, has_gpu)
+    _check_zero(ds, has_gpu)
     if check_data and not cfg.data.builtin and not cfg.data.synthetic:
         data_config(cfg).validate(model.seq_length, model.vocab_size)
     return model, layout, ds, precision
@@ -401,7 +402,7 @@ def zero_stage(ds: dict) -> int:
     return int(ds.get("zero_optimization", {}).get("stage", 0))
 
 
-def _check_zero(cfg: RunConfig, ds: dict, layout, has_gpu: bool) -> None:
+def _check_zero(ds: dict, has_gpu: bool) -> None:
     stage = zero_stage(ds)
     zero = ds.get("zero_optimization", {})
     if stage not in (1, 2, 3):

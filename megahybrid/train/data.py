@@ -48,7 +48,7 @@ def prepare_data(cfg: RunConfig, seq_length: int, vocab_size: int):
     return data
 
 
-def build_splits(cfg: RunConfig, data, seq_length: int, groups):
+def build_splits(cfg: RunConfig, data, seq_length: int):
     """(train dataset, valid dataset or None) sized for the whole run; built on every rank, rank 0 first."""
     from megahybrid.data.datasets import build_datasets
 

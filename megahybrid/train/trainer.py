@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from megahybrid.errors import UserError
+from megahybrid.errors import EXIT_USER_ERROR, UserError
 from megahybrid.outputs import check_writable
 from megahybrid.train import rundir
 from megahybrid.train.checkpoint import TRAINER_STATE, CheckpointManager, all_gather
@@ -29,7 +29,7 @@ from megahybrid.train.engine import LRSchedule, build_engine, set_lr
 from megahybrid.train.metrics import TrainLogger, flops_per_token, memory_mib, model_metrics, say
 from megahybrid.train.signals import EXIT_ABORTED, EXIT_REQUEUE, install_stop_handlers
 
-EXIT_OK, EXIT_CRASH, EXIT_USER_ERROR, EXIT_NONFINITE = 0, 1, 2, 4
+EXIT_OK, EXIT_CRASH, EXIT_NONFINITE = 0, 1, 4
 
 
 @dataclass
@@ -53,7 +53,8 @@ def make_plan(cfg: RunConfig, world_size: int) -> Plan:
 
 
 def set_deterministic(enabled: bool) -> None:
-    """Bitwise-reproducible kernels. CUBLAS_WORKSPACE_CONFIG must be set before CUDA starts (the CLI does it)."""
+    """Bitwise-reproducible kernels. CUBLAS_WORKSPACE_CONFIG is read when cuBLAS creates its first handle, so this
+    runs before the process group and the model exist."""
     if not enabled:
         return
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
@@ -90,7 +91,7 @@ class Trainer:
                                       hooks=self._checkpoint_hook)
         self.resume_tag = self._resume() if resume else self._refuse_existing()
         self.schedule = self._run_schedule()
-        train_ds, self.valid_ds = build_splits(self.cfg, plan.data, plan.model.seq_length, self.groups)
+        train_ds, self.valid_ds = build_splits(self.cfg, plan.data, plan.model.seq_length)
         if self.valid_ds is None and self.cfg.eval.iters > 0:
             self._warn(f"warning: eval.iters={self.cfg.eval.iters} but the validation split is empty (data.split="
                        f"{plan.data.split}): no validation; give it a share in data.split or set eval.iters=0")
