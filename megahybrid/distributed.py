@@ -1,7 +1,8 @@
 """Process bootstrap: launch environment, process groups, seeds, and the CPU redirections megatron-core needs.
 
 This is the only module that reads or writes megatron's global `parallel_state`. Everything else receives a
-`Groups` object built here from a `ParallelLayout`.
+`Groups` object built here from a `ParallelLayout`. megatron is imported inside the functions that use it, so
+the launch-environment helpers the CLI calls before training do not pay for it.
 """
 import contextlib
 import datetime

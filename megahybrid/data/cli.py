@@ -61,6 +61,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _dispatch(args: argparse.Namespace) -> str:
+    # preprocess and builtin import numpy and sentencepiece: loaded for the command that runs, not at CLI start.
     if args.data_command == "tokenizer":
         from megahybrid.data.preprocess import train_tokenizer
 

@@ -211,7 +211,7 @@ def _sequence_lengths(prefix: str) -> np.ndarray:
 
 def _index_summary(prefix: str) -> tuple[np.ndarray, int]:
     """(tokens per sequence, bytes the .bin must have) from the .idx."""
-    from megatron.core.datasets.indexed_dataset import _IndexReader, get_idx_path
+    from megatron.core.datasets.indexed_dataset import _IndexReader, get_idx_path  # slow import: only with data
 
     try:
         reader = _IndexReader(get_idx_path(prefix), multimodal=False)

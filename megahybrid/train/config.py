@@ -11,7 +11,11 @@ from pathlib import Path
 
 import yaml
 
+from megahybrid.data.config import DataConfig
 from megahybrid.errors import ConfigError
+from megahybrid.model.config import preset
+from megahybrid.model.mixers import check_context_parallel, max_chunk_size
+from megahybrid.parallel import ParallelLayout
 
 PACKAGE_CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 REPO_DS_CONFIGS = Path(__file__).resolve().parent.parent.parent / "ds_configs"
@@ -277,14 +281,9 @@ def validate(cfg: RunConfig, world_size: int, has_gpu: bool, check_data: bool = 
 
     Nothing here starts a process group; data files are checked when `check_data` (after built-in preparation).
     """
-    from megahybrid.model.config import preset
-    from megahybrid.parallel import ParallelLayout
-
     model = preset(cfg.model.preset, **cfg.model.overrides)
     p = cfg.parallel
     layout = ParallelLayout.for_world(world_size, tp=p.tp, cp=p.cp, sequence_parallel=p.sequence_parallel)
-    from megahybrid.model.mixers import check_context_parallel, max_chunk_size
-
     layout.check_model(model.num_heads, model.kv_heads, model.seq_length, max_chunk_size(model.pattern))
     check_context_parallel(model.pattern, layout.cp)
     _check_numbers(cfg)
@@ -414,8 +413,6 @@ def _check_zero(ds: dict, has_gpu: bool) -> None:
 
 def data_config(cfg: RunConfig, builtin=None):
     """The data pipeline's DataConfig from our data section (built-in paths filled in when given)."""
-    from megahybrid.data.config import DataConfig
-
     fields = dict(cfg.data.fields)
     fields.setdefault("seed", cfg.train.seed)
     known = {f.name for f in dataclasses.fields(DataConfig)}

@@ -19,7 +19,12 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from megahybrid.convert.init import load_full_weights
+from megahybrid.distributed import init_distributed, shutdown
 from megahybrid.errors import EXIT_USER_ERROR, UserError
+from megahybrid.model.config import count_parameters
+from megahybrid.model.cp import shard_batch
+from megahybrid.model.mixers import cp_bytes_per_layer, state_floats
 from megahybrid.outputs import check_writable
 from megahybrid.train import rundir
 from megahybrid.train.checkpoint import TRAINER_STATE, CheckpointManager, all_gather
@@ -65,9 +70,7 @@ def set_deterministic(enabled: bool) -> None:
 
 class Trainer:
     def __init__(self, plan: Plan, resume: bool = True):
-        from megahybrid.distributed import init_distributed
-        from megahybrid.model.config import count_parameters
-        from megahybrid.model.gpt import build_model
+        from megahybrid.model.gpt import build_model  # megatron: imported with the first Trainer, not the module
 
         self.plan, self.cfg = plan, plan.cfg
         set_deterministic(self.cfg.train.deterministic)
@@ -121,8 +124,6 @@ class Trainer:
         path = self.cfg.checkpoint.init_from
         if not path or (resume and CheckpointManager(self.cfg.checkpoint_dir, 1).tags()):
             return None
-        from megahybrid.convert.init import load_full_weights
-
         load_full_weights(self.model, path, self.plan.model, self.groups.tp_rank, self.groups.layout.tp)
         return path
 
@@ -233,8 +234,7 @@ class Trainer:
                 "stop": stop > 0, "grad_norm": float(norm) if norm is not None else float("nan")}
 
     def _loss(self, batch: dict) -> torch.Tensor:
-        from megahybrid.model.cp import shard_batch
-        from megahybrid.model.gpt import lm_loss
+        from megahybrid.model.gpt import lm_loss  # megatron: see __init__
 
         batch = shard_batch(batch, self.groups.cp_rank, self.groups.layout.cp)
         cp_group = self.groups.cp_group if self.groups.layout.cp > 1 else None
@@ -359,8 +359,6 @@ class Trainer:
 def _state_line(model_cfg, cp: int, precision: str) -> str:
     """Decode-state floats per sequence and layer of each mixer kind at the training context, and under context
     parallelism the bytes each CP rank sends per layer and sequence in a training step."""
-    from megahybrid.model.mixers import cp_bytes_per_layer, state_floats
-
     per_mixer = ",".join(f"{c}:{n}" for c, n in state_floats(model_cfg, model_cfg.seq_length).items())
     line = f"state_floats_per_layer@{model_cfg.seq_length}={per_mixer}"
     if cp > 1:
@@ -370,15 +368,13 @@ def _state_line(model_cfg, cp: int, precision: str) -> str:
 
 
 def _quiet_deepspeed() -> None:
-    from deepspeed.utils import logger
+    from deepspeed.utils import logger  # DeepSpeed takes seconds to import: only when training starts
 
     logger.setLevel(logging.WARNING)
 
 
 def train(cfg: RunConfig, resume: bool = True) -> int:
     """Validate, then train; returns the exit code. Call after `resolve_launch_env()`."""
-    from megahybrid.distributed import shutdown
-
     plan = make_plan(cfg, int(os.environ.get("WORLD_SIZE", "1")))
     try:
         return Trainer(plan, resume=resume).run()
