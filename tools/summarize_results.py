@@ -75,7 +75,8 @@ def _num(value, spec: str = ".3g") -> str:
 def _train_rows(rows, meta):
     for r in rows:
         compiled = " compiled" if r.get("compile") else ""
-        what = f"train {r['preset']} seq {r.get('seq')} batch {r.get('batch')}{compiled}"
+        batch = r.get("batch") or (r["micro"] * r.get("gas", 1) if "micro" in r else None)  # newer rows: micro x gas
+        what = f"train {r['preset']} seq {r.get('seq')} batch {batch}{compiled}"
         yield (what, f"{_num(r['tok/s'], ',.0f')} tok/s, MFU {_num(r.get('MFU_meas'), '.1%')}",
                f"{_num(r.get('TFLOP/s'), '.0f')} of {_num(meta.get('matmul_peak_tflops'), '.0f')} TFLOP/s matmul peak")
 
