@@ -13,9 +13,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-from megahybrid import __version__
-
-EXIT_USER_ERROR = 2
+from megahybrid import __version__, slurm
+from megahybrid.convert import cli as convert_cli
+from megahybrid.data import cli as data_cli
+from megahybrid.errors import EXIT_USER_ERROR, ConfigError, UserError
+from megahybrid.eval import cli as eval_cli
+from megahybrid.mpi import check_config_agreement, mpi_rendezvous
+from megahybrid.train.signals import Interrupted, install_stop_handlers
 
 
 def _add_train_command(subparsers) -> None:
@@ -34,27 +38,18 @@ def parser() -> argparse.ArgumentParser:
     top.add_argument("--version", action="version", version=f"megahybrid {__version__}")
     subparsers = top.add_subparsers(dest="command", required=True)
     _add_train_command(subparsers)
-    from megahybrid.data.cli import add_data_commands
-
-    add_data_commands(subparsers)
-    from megahybrid.convert.cli import add_convert_command
-
-    add_convert_command(subparsers)
-    from megahybrid.slurm import add_slurm_commands
-
-    add_slurm_commands(subparsers)
-    from megahybrid.eval.cli import add_eval_commands, add_generate_command
-
-    add_eval_commands(subparsers)
-    add_generate_command(subparsers)
+    data_cli.add_data_commands(subparsers)
+    convert_cli.add_convert_command(subparsers)
+    slurm.add_slurm_commands(subparsers)
+    eval_cli.add_eval_commands(subparsers)
+    eval_cli.add_generate_command(subparsers)
     return top
 
 
 def prepare_launch_env() -> None:
     """Ranks from torchrun / srun / mpirun into RANK, WORLD_SIZE, LOCAL_RANK, and a MASTER_ADDR that is not the
     machine's public address, before torch.distributed or DeepSpeed read the environment."""
-    from megahybrid.distributed import resolve_launch_env
-    from megahybrid.errors import UserError
+    from megahybrid.distributed import resolve_launch_env  # imports torch: only a training launch needs it
 
     if "MASTER_ADDR" not in os.environ and "RANK" not in os.environ:
         nodelist = os.environ.get("SLURM_JOB_NODELIST") or os.environ.get("SLURM_NODELIST")
@@ -67,9 +62,6 @@ def prepare_launch_env() -> None:
 
 def _mpi_rendezvous_env() -> None:
     """MASTER_ADDR/PORT for mpirun from mpi4py; without it only a one-node launch can default to 127.0.0.1."""
-    from megahybrid.errors import UserError
-    from megahybrid.mpi import mpi_rendezvous
-
     size = os.environ.get("OMPI_COMM_WORLD_SIZE") or os.environ.get("PMI_SIZE")
     agreed = mpi_rendezvous(int(size))
     if agreed is not None:
@@ -82,8 +74,6 @@ def _mpi_rendezvous_env() -> None:
 
 
 def _first_slurm_host(nodelist: str) -> str:
-    from megahybrid.errors import UserError
-
     if shutil.which("scontrol"):
         out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True)
         if out.returncode == 0 and out.stdout.split():
@@ -92,17 +82,12 @@ def _first_slurm_host(nodelist: str) -> str:
 
 
 def run_train(args) -> int:
-    from megahybrid.train.config import load_config
+    # train.config pulls in numpy and sentencepiece, trainer torch, megatron and DeepSpeed: not at CLI start.
+    from megahybrid.train.config import load_config, validate
 
     cfg = load_config(args.config, args.overrides)
-    from megahybrid.mpi import check_config_agreement
-
     check_config_agreement(cfg.to_dict())
-    if cfg.train.deterministic:
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     if args.print_config:
-        from megahybrid.train.config import validate
-
         validate(cfg, int(os.environ.get("WORLD_SIZE", "1")), _has_gpu(), check_data=False)
         print(cfg.to_yaml(), end="")
         return 0
@@ -114,11 +99,11 @@ def run_train(args) -> int:
 def launch_local(args, argv: list[str]) -> int:
     """Validate for N ranks in this process (a config error is one line here, not one per rank plus torchrun's
     report), then run torchrun's launcher in-process and return the first failed rank's exit code."""
+    # torch and the run config are loaded here, not at CLI start (see run_train).
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser
     from torch.distributed.run import run as torchrun
 
-    from megahybrid.errors import ConfigError
     from megahybrid.train.config import load_config, validate
 
     if args.nproc_per_node < 1:
@@ -166,36 +151,24 @@ def default_torch_extensions_dir() -> str:
 
 
 def _has_gpu() -> bool:
-    import torch
+    import torch  # not at CLI start: --help and the data commands do not need it
 
     return torch.cuda.is_available()
 
 
 def main(argv: list[str] | None = None) -> int:
-    from megahybrid.errors import ConfigError, UserError
-    from megahybrid.slurm import record_exit_code
-    from megahybrid.train.signals import Interrupted, install_stop_handlers
-
     argv = sys.argv[1:] if argv is None else argv
     args = parser().parse_args(argv)
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", default_torch_extensions_dir())
     if args.command == "data":
-        from megahybrid.data.cli import run
-
-        return run(args)
+        return data_cli.run(args)
     try:
         if args.command == "convert":
-            from megahybrid.convert.cli import run
-
-            return run(args)
+            return convert_cli.run(args)
         if args.command == "slurm":
-            from megahybrid.slurm import run
-
-            return run(args)
+            return slurm.run(args)
         if args.command in ("eval", "generate"):
-            from megahybrid.eval.cli import run
-
-            return run(args)
+            return eval_cli.run(args)
         if args.nproc_per_node is not None:
             return launch_local(args, argv)
         # Before torch is imported: a SIGTERM or Ctrl-C in the first seconds gets a message and an exit code too.
@@ -210,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     except Interrupted as stop:
         print(stop.message(), file=sys.stderr, flush=True)
         code = stop.exit_code
-    record_exit_code(code)
+    slurm.record_exit_code(code)
     return code
 
 

@@ -1,7 +1,8 @@
 """Process bootstrap: launch environment, process groups, seeds, and the CPU redirections megatron-core needs.
 
 This is the only module that reads or writes megatron's global `parallel_state`. Everything else receives a
-`Groups` object built here from a `ParallelLayout`.
+`Groups` object built here from a `ParallelLayout`. megatron is imported inside the functions that use it, so
+the launch-environment helpers the CLI calls before training do not pay for it.
 """
 import contextlib
 import datetime
@@ -62,7 +63,10 @@ class _CpuRNGStatesTracker:
 def apply_cpu_redirections() -> None:
     """Let megatron-core 0.16 run without CUDA: it asks `torch.cuda.current_device()` for buffer, rotary and
     sequence-parallel allocations, synchronizes in the checkpoint writer, and keeps CUDA RNG states (also around
-    recomputed activations). Applied only when CUDA is absent; no other module branches on CPU vs GPU."""
+    recomputed activations). Applied only when CUDA is absent. This is the only place megatron's CUDA calls are
+    patched; other CPU-vs-GPU choices sit where they are used: precision, torch.compile and offload checks
+    (train/config.py), the optimizer's fused/foreach (train/engine.py), CUDA RNG state in checkpoints
+    (train/checkpoint.py), memory stats (train/metrics.py), the device of eval/convert (eval/, convert/local.py)."""
     global _CPU_REDIRECTED
     if _CPU_REDIRECTED or torch.cuda.is_available():
         return
@@ -125,7 +129,7 @@ class Groups:
 
     @property
     def is_loss_rank(self) -> bool:
-        """The rank that logs: first of every group."""
+        """Global rank 0: the one rank that logs and writes the run's metrics."""
         return self.rank == 0
 
 

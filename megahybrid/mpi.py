@@ -6,6 +6,8 @@ import socket
 import subprocess
 from pathlib import Path
 
+from megahybrid.errors import UserError
+
 
 def mpi_rendezvous(expected_size: int) -> tuple[str, str] | None:
     """(MASTER_ADDR, MASTER_PORT) agreed over MPI_COMM_WORLD; None when mpi4py is not installed or MPI's world is
@@ -37,8 +39,6 @@ def _free_port(bind_addr: str) -> int:
 def check_config_agreement(config: dict) -> None:
     """Under mpirun: rank 0 broadcasts its resolved config and git commit; if any rank's differ, every rank raises
     the same one-line error naming the first difference (a lone failing rank would leave the others waiting)."""
-    from megahybrid.errors import UserError
-
     if not any(key in os.environ for key in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK")):
         return
     try:

@@ -121,7 +121,7 @@ def run(args) -> int:
 
 def resolve_config(job: SlurmJob, name: str):
     """Load one config with the overrides, run_dir made absolute, validated for the job's world size."""
-    from megahybrid.train.config import load_config, validate
+    from megahybrid.train.config import load_config, validate  # numpy, sentencepiece: not at CLI start
 
     cfg = load_config(name, job.overrides)
     cfg.run_dir = os.path.abspath(cfg.run_dir)

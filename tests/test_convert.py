@@ -52,7 +52,7 @@ def _batch0_loss(trainer):
 
     from megahybrid.train.data import build_splits, train_loader
 
-    train_ds, _ = build_splits(trainer.cfg, trainer.plan.data, trainer.plan.model.seq_length, trainer.groups)
+    train_ds, _ = build_splits(trainer.cfg, trainer.plan.data, trainer.plan.model.seq_length)
     batches = iter(train_loader(trainer.cfg, train_ds, trainer.groups, 0, 0))
     total = torch.zeros((), dtype=torch.float64)
     with torch.no_grad():

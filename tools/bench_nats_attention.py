@@ -7,7 +7,6 @@ Target per row: time <= 1.25 x (kept fraction x causal SDPA time + our time at 0
 chunk-local part. Usage (GPU): python tools/bench_nats_attention.py [--quick]
 """
 import argparse
-import itertools
 import sys
 from pathlib import Path
 

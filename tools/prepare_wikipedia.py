@@ -27,9 +27,9 @@ from collections.abc import Iterator
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from megahybrid.data.config import DataError  # noqa: E402
 from megahybrid.data.preprocess import preprocess_dataset  # noqa: E402
 from megahybrid.data.tokenizer import train_sentencepiece  # noqa: E402
+from megahybrid.errors import EXIT_USER_ERROR, DataError  # noqa: E402
 
 DEFAULT_INPUT = os.path.join(os.path.dirname(REPO), "shared", "data", "wikipedia-en")
 SPLIT_FILES = {"train": "train-*.txt.xz", "valid": "valid.txt.xz", "test": "test.txt.xz"}
@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{split}: {meta['documents']} articles, {meta['tokens']} tokens -> {prefixes[split]}")
     except DataError as err:
         print(f"error: {err}", file=sys.stderr)
-        return 2
+        return EXIT_USER_ERROR
     print("overrides: " + train_overrides(model, prefixes))
     return 0
 

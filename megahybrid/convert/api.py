@@ -6,7 +6,9 @@ import shutil
 import torch
 
 from megahybrid.convert import files, sources
+from megahybrid.convert.local import bare_model
 from megahybrid.errors import UserError
+from megahybrid.train.config import RunConfig
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 TARGETS = ("consolidated", "hf")
@@ -14,8 +16,6 @@ TARGETS = ("consolidated", "hf")
 
 def run_yaml_for(model_cfg) -> str:
     """A run config holding exactly `model_cfg` (for sources that carry no run config)."""
-    from megahybrid.train.config import RunConfig
-
     cfg = RunConfig()
     cfg.model.overrides = dataclasses.asdict(model_cfg)
     return cfg.to_yaml()
@@ -23,8 +23,6 @@ def run_yaml_for(model_cfg) -> str:
 
 def full_checked(weights: sources.Weights) -> dict:
     """The source's tensors, checked against the model its config describes."""
-    from megahybrid.convert.local import bare_model
-
     sources.check_shapes(weights.tensors, bare_model(weights.model), weights.model, f"{weights.kind} weights")
     return weights.tensors
 
@@ -47,7 +45,7 @@ def convert(source: str, to: str, output: str, dtype: str = "fp32", force: bool 
         if to == "consolidated":
             write_consolidated(weights, tensors, tmp, max_shard_bytes)
         else:
-            from megahybrid.convert.hf_export import write_hf
+            from megahybrid.convert.hf_export import write_hf  # imports transformers: only for --to hf
 
             write_hf(weights, tensors, tmp, dtype, max_shard_bytes)
     return os.path.abspath(output)

@@ -26,7 +26,7 @@ def parse_size(text: str) -> int:
 
 
 def run(args) -> int:
-    from megahybrid.convert.api import convert
+    from megahybrid.convert.api import convert  # torch: not at CLI start
 
     out = convert(args.checkpoint, args.to, args.output, args.dtype, args.force, parse_size(args.max_shard_size))
     print(f"wrote {args.to} weights ({args.dtype}) to {out}", flush=True)

@@ -6,6 +6,8 @@ import os
 import shutil
 
 import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
 from tqdm import tqdm
 
 from megahybrid.errors import UserError
@@ -50,8 +52,6 @@ def _shards(tensors: dict[str, torch.Tensor], max_bytes: int) -> list[dict[str, 
 def write_weights(tensors: dict[str, torch.Tensor], out_dir: str, max_shard_bytes: int = DEFAULT_SHARD_BYTES,
                   metadata: dict | None = None) -> list[str]:
     """`model.safetensors`, or `model-0000i-of-0000n.safetensors` + the index json above `max_shard_bytes`."""
-    from safetensors.torch import save_file
-
     shards = _shards({k: v.contiguous() for k, v in tensors.items()}, max_shard_bytes)
     names = [WEIGHTS] if len(shards) == 1 else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
                                                 for i in range(len(shards))]
@@ -87,8 +87,6 @@ def _weight_files(path: str) -> list[str]:
 
 def read_weights(path: str) -> dict[str, torch.Tensor]:
     """All tensors of the safetensors weights in `path` (one file or an index with shards), on the CPU."""
-    from safetensors import SafetensorError, safe_open
-
     out = {}
     files = _weight_files(path)
     for name in tqdm(files, desc="reading weights", disable=len(files) == 1):

@@ -9,12 +9,15 @@ import tempfile
 import torch
 import torch.distributed as dist
 
+from megahybrid.distributed import apply_cpu_redirections
+from megahybrid.model.sharding import is_tp_sharded
+from megahybrid.parallel import ParallelLayout
+
 
 def ensure_local_groups() -> None:
+    # megatron (several seconds to import) loads only when a model is built, as in bare_model below.
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
-
-    from megahybrid.distributed import apply_cpu_redirections
 
     apply_cpu_redirections()
     if not dist.is_initialized():
@@ -32,8 +35,7 @@ def ensure_local_groups() -> None:
 
 def bare_model(model_cfg, precision: str = "fp32"):
     """The full (tp = 1) model with uninitialized weights, on the CPU: names, shapes and TP partition tags."""
-    from megahybrid.model.gpt import build_model
-    from megahybrid.parallel import ParallelLayout
+    from megahybrid.model.gpt import build_model  # imports megatron
 
     ensure_local_groups()
     return build_model(model_cfg, ParallelLayout(), precision, initialize=False).cpu()
@@ -41,7 +43,5 @@ def bare_model(model_cfg, precision: str = "fp32"):
 
 def partition_tags(model) -> dict[str, tuple[int, int] | None]:
     """(partition_dim, partition_stride) of every TP-sharded parameter, None for replicated ones."""
-    from megahybrid.model.sharding import is_tp_sharded
-
     return {name: (p.partition_dim, getattr(p, "partition_stride", 1)) if is_tp_sharded(p) else None
             for name, p in model.named_parameters()}

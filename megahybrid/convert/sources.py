@@ -8,8 +8,13 @@ import torch
 from tqdm import tqdm
 
 from megahybrid.convert import adapter, files, hf_config
+from megahybrid.convert.local import bare_model, partition_tags
+from megahybrid.convert.zero import rank_state_dict, tp_size
 from megahybrid.errors import UserError
+from megahybrid.model.config import preset
 from megahybrid.model.sharding import merge_shards
+from megahybrid.train.checkpoint import CheckpointManager
+from megahybrid.train.config import load_config
 
 
 @dataclass
@@ -49,9 +54,6 @@ def read(path: str, tags: dict | None = None) -> Weights:
 
 
 def _run_model(run_yaml_path: str):
-    from megahybrid.model.config import preset
-    from megahybrid.train.config import load_config
-
     cfg = load_config(run_yaml_path)
     return cfg, preset(cfg.model.preset, **cfg.model.overrides)
 
@@ -64,10 +66,6 @@ def _tokenizer_of(run_cfg) -> str | None:
 
 def read_checkpoint(step_dir: str, tags: dict | None = None) -> Weights:
     """Verify the manifest, merge ZeRO partitions per TP rank, then TP shards by the model's partition tags."""
-    from megahybrid.convert.local import bare_model, partition_tags
-    from megahybrid.convert.zero import rank_state_dict, tp_size
-    from megahybrid.train.checkpoint import CheckpointManager
-
     problem = CheckpointManager(os.path.dirname(step_dir), keep=1)._verify(step_dir)
     if problem:
         raise UserError(f"checkpoint {step_dir} is unusable ({problem}); use an older one")

@@ -7,9 +7,7 @@ User errors print one line `error: ...` to stderr and give exit code 2, without 
 import argparse
 import sys
 
-from megahybrid.data.config import DataError
-
-EXIT_USER_ERROR = 2
+from megahybrid.errors import EXIT_USER_ERROR, DataError
 
 
 def add_data_commands(subparsers) -> argparse.ArgumentParser:
@@ -63,6 +61,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _dispatch(args: argparse.Namespace) -> str:
+    # preprocess and builtin import numpy and sentencepiece: loaded for the command that runs, not at CLI start.
     if args.data_command == "tokenizer":
         from megahybrid.data.preprocess import train_tokenizer
 

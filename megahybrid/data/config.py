@@ -9,13 +9,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from megahybrid.errors import UserError
+from megahybrid.data.tokenizer import SentencePieceTokenizer, file_sha256
+from megahybrid.errors import DataError
 
 SPLITS = ("train", "valid", "test")
-
-
-class DataError(UserError):
-    """Bad data config, missing or empty data files, or a tokenizer that does not fit the model."""
 
 
 @dataclass
@@ -111,8 +108,6 @@ class DataConfig:
             raise DataError(f"data.num_workers is {self.num_workers}: use 0 or more")
 
     def _check_tokenizer(self, model_vocab_size: int | None) -> int:
-        from megahybrid.data.tokenizer import SentencePieceTokenizer
-
         if not self.tokenizer_model:
             raise DataError("data.tokenizer_model is not set: give the .model file from `megahybrid data tokenizer`")
         if not os.path.isfile(self.tokenizer_model):
@@ -198,8 +193,6 @@ def _check_prefix_files(field_name: str, prefix: str) -> None:
 
 def _check_prefix_tokenizer(prefix: str, tokenizer_model: str, vocab_size: int) -> None:
     """Compare against the sidecar `PREFIX.json` that preprocess writes (absent for foreign data: skipped)."""
-    from megahybrid.data.tokenizer import file_sha256
-
     meta_path = prefix + ".json"
     if not os.path.isfile(meta_path):
         return
@@ -218,7 +211,7 @@ def _sequence_lengths(prefix: str) -> np.ndarray:
 
 def _index_summary(prefix: str) -> tuple[np.ndarray, int]:
     """(tokens per sequence, bytes the .bin must have) from the .idx."""
-    from megatron.core.datasets.indexed_dataset import _IndexReader, get_idx_path
+    from megatron.core.datasets.indexed_dataset import _IndexReader, get_idx_path  # slow import: only with data
 
     try:
         reader = _IndexReader(get_idx_path(prefix), multimodal=False)

@@ -6,6 +6,8 @@ position ids and attention masks are not reset at document boundaries. The shuff
 Distributed: call `build_datasets` on every rank. When torch.distributed is initialized, megatron builds the
 index files on global rank 0, barriers, then the other ranks load them from `DataConfig.cache_dir`, which
 must therefore be on a file system all ranks see.
+
+megatron is imported inside the functions that build datasets (it takes seconds to import).
 """
 import hashlib
 import json

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import torch
 
-from megahybrid.data.config import DataError
+from megahybrid.errors import DataError
 
 Batch = dict[str, torch.Tensor]
 

@@ -14,8 +14,8 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from megahybrid.data.config import DataError
 from megahybrid.data.tokenizer import SentencePieceTokenizer, file_sha256, train_sentencepiece
+from megahybrid.errors import DataError
 from megahybrid.outputs import check_writable
 
 _JSON_EXT = (".jsonl", ".json", ".jsonl.gz", ".json.gz", ".jsonl.xz", ".json.xz")
@@ -26,7 +26,7 @@ def load_documents(
     files: list[str], text_key: str = "text", text_sample_by: str = "paragraph", cache_dir: str | None = None
 ):
     """A `datasets.Dataset` with one column `text_key`, one row per document, read from local `files`."""
-    import datasets
+    import datasets  # Hugging Face datasets: slow to import, only to read raw text
 
     if not files:
         raise DataError("--input is empty: give at least one .txt, .jsonl or .parquet file")
@@ -151,6 +151,7 @@ def preprocess_dataset(
     docs, tokenizer_model: str, output_prefix: str, workers: int = 1, text_key: str = "text"
 ) -> dict:
     """`preprocess` for an already loaded `datasets.Dataset` with a `text_key` column."""
+    # megatron is slow to import (the tokenizer command does not need it); tqdm comes with it.
     from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
     from tqdm.auto import tqdm
 

@@ -12,6 +12,8 @@ from collections.abc import Iterable
 
 import sentencepiece as spm
 
+from megahybrid.errors import DataError
+
 UNK_ID, BOS_ID, EOS_ID, PAD_ID = 0, 1, 2, 3
 MIN_VOCAB_SIZE = 16
 
@@ -37,8 +39,6 @@ class SentencePieceTokenizer:
         try:
             self._sp = spm.SentencePieceProcessor(model_file=model_path)
         except (RuntimeError, OSError) as err:
-            from megahybrid.data.config import DataError
-
             raise DataError(f"tokenizer {model_path} is not a SentencePiece model ({str(err).splitlines()[0][:120]}): "
                             "give the .model file written by `megahybrid data tokenizer`") from None
         self.sha256 = file_sha256(model_path)
@@ -105,8 +105,6 @@ def train_sentencepiece(
     returns the exact text (newlines included). Byte fallback keeps every string encodable; digits are split
     so numbers tokenize uniformly.
     """
-    from megahybrid.data.config import DataError
-
     if vocab_size < MIN_VOCAB_SIZE:
         raise DataError(f"--vocab-size is {vocab_size}: use at least {MIN_VOCAB_SIZE}")
     os.makedirs(os.path.dirname(os.path.abspath(output_prefix)), exist_ok=True)

@@ -1,4 +1,6 @@
 """`megahybrid eval ppl|recall|harness` and `megahybrid generate` (parsers and dispatch)."""
+from importlib import import_module
+
 DEFAULT_LENGTHS = "1K,2K,4K,8K,16K"
 
 
@@ -62,10 +64,6 @@ def add_generate_command(subparsers) -> None:
 
 
 def run(args) -> int:
-    if args.command == "generate":
-        from megahybrid.eval.generate import run as command
-    else:
-        from importlib import import_module
-
-        command = import_module(f"megahybrid.eval.{args.eval_command}").run
-    return command(args)
+    # Every command's module imports torch and megatron: only the one that runs is loaded, not at CLI start.
+    name = "generate" if args.command == "generate" else args.eval_command
+    return import_module(f"megahybrid.eval.{name}").run(args)

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from megahybrid.errors import UserError
+from megahybrid.eval.loading import load
 from megahybrid.model import decode
 
 
@@ -84,8 +85,6 @@ def prompt_ids(tokenizer, text: str, limit: int, max_new_tokens: int) -> list[in
 
 
 def run(args) -> int:
-    from megahybrid.eval.loading import load
-
     sampling = Sampling(args.max_new_tokens, args.temperature, args.top_p, args.seed, not args.ignore_eos)
     sampling.check()
     loaded = load(args.checkpoint, args.precision, max_length=args.max_length)

@@ -14,6 +14,8 @@ import torch
 
 from megahybrid.errors import UserError
 from megahybrid.eval.generate import Sampling, sample
+from megahybrid.eval.loading import load
+from megahybrid.model.decode import full_logits
 
 
 def _args(request):
@@ -25,8 +27,6 @@ class MegahybridLM:
                  precision: str | None = None, **_ignored):
         super().__init__()
         if loaded is None:
-            from megahybrid.eval.loading import load
-
             loaded = load(checkpoint, precision, max_length=max_length)
         self.loaded = loaded
         self.tok = tokenizer or loaded.tokenizer()
@@ -38,8 +38,6 @@ class MegahybridLM:
     @torch.no_grad()
     def _continuation_logprob(self, context: list[int], continuation: list[int]) -> tuple[float, bool]:
         """log p(continuation | EOD + context), left-truncated to max_length; and whether it is the argmax."""
-        from megahybrid.model.decode import full_logits
-
         if not continuation:
             return 0.0, True
         ids = ([self.tok.eod] + context + continuation)[-(self.max_length + 1):]
@@ -111,7 +109,7 @@ def register():
 
 def run(args) -> int:
     """Run lm-eval tasks on the checkpoint and write the harness' results JSON."""
-    model_class = register()
+    model_class = register()  # lm-eval is optional: register() says how to install it before this import
     import lm_eval
     from lm_eval.tasks import TaskManager
 

@@ -1,11 +1,17 @@
 """A saved model (any layout or format) as a tp = 1 GPTModel in eval mode, with its tokenizer."""
+import json
 import os
 import subprocess
 from dataclasses import dataclass
 
 import torch
 
+from megahybrid.convert import sources
+from megahybrid.convert.local import ensure_local_groups
+from megahybrid.data.tokenizer import SentencePieceTokenizer
 from megahybrid.errors import UserError
+from megahybrid.model.gpt import build_model
+from megahybrid.parallel import ParallelLayout
 
 
 @dataclass
@@ -25,8 +31,6 @@ class Loaded:
     def tokenizer(self):
         """The SentencePiece tokenizer the model was trained with (run config data.tokenizer_model, the built-in
         corpus' tokenizer, or tokenizer.model next to the weights)."""
-        from megahybrid.data.tokenizer import SentencePieceTokenizer
-
         if not self.tokenizer_model or not os.path.isfile(self.tokenizer_model):
             raise UserError(f"{self.path}: its tokenizer ({self.tokenizer_model or 'none recorded'}) is not there; "
                             "prepare the data again (megahybrid data builtin) or copy tokenizer.model beside the "
@@ -45,11 +49,6 @@ def default_precision(device: torch.device) -> str:
 def load(path: str, precision: str | None = None, max_length: int | None = None) -> Loaded:
     """Read the full weights at `path` and copy them into a freshly built (uninitialized) model. `max_length`
     (the longest sequence to be run) only sets what the model is built for; no weight depends on it."""
-    from megahybrid.convert import sources
-    from megahybrid.convert.local import ensure_local_groups
-    from megahybrid.model.gpt import build_model
-    from megahybrid.parallel import ParallelLayout
-
     if not os.path.exists(path):
         raise UserError(f"--checkpoint {path} does not exist: give a training checkpoint directory (or one of its "
                         "step directories), a consolidated or a Hugging Face directory")
@@ -68,10 +67,6 @@ def load(path: str, precision: str | None = None, max_length: int | None = None)
 
 def fresh(cfg, seed: int = 0, precision: str = "fp32") -> Loaded:
     """A freshly initialized model of `cfg` (tests, and the MQAR training option)."""
-    from megahybrid.convert.local import ensure_local_groups
-    from megahybrid.model.gpt import build_model
-    from megahybrid.parallel import ParallelLayout
-
     ensure_local_groups()
     torch.manual_seed(seed)
     model = build_model(cfg, ParallelLayout(), precision)
@@ -79,8 +74,6 @@ def fresh(cfg, seed: int = 0, precision: str = "fp32") -> Loaded:
 
 
 def _step_of(path: str) -> int | None:
-    import json
-
     for candidate in (path, os.path.join(path, _latest(path))):
         state = os.path.join(candidate, "trainer_state.json")
         if os.path.isfile(state):

@@ -13,8 +13,10 @@ import time
 
 import numpy as np
 import torch
+from megatron.core.datasets.indexed_dataset import IndexedDataset
 
 from megahybrid.errors import UserError
+from megahybrid.eval.loading import git_commit, load
 
 DEFAULT_WINDOWS = 8
 UNITS = {"": 1, "K": 1024, "M": 1024 * 1024}
@@ -42,8 +44,6 @@ def label(n: int) -> str:
 
 def read_tokens(prefix: str, need: int, want: int) -> np.ndarray:
     """The first min(want, available) tokens of the dataset's documents in file order; at least `need`."""
-    from megatron.core.datasets.indexed_dataset import IndexedDataset
-
     if not (os.path.isfile(prefix + ".bin") and os.path.isfile(prefix + ".idx")):
         raise UserError(f"--data {prefix}: no {prefix}.bin/.idx; give the prefix `megahybrid data preprocess` wrote")
     dataset = IndexedDataset(prefix)
@@ -112,7 +112,7 @@ def table(result: dict) -> str:
 
 
 def plot(results: list[dict], path: str) -> None:
-    import matplotlib
+    import matplotlib  # the headless backend must be chosen before pyplot is imported
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -137,7 +137,7 @@ def plot(results: list[dict], path: str) -> None:
 def write_tensorboard(result: dict, out_dir: str) -> None:
     """`eval/ppl_by_position` with the bucket end as the step (the curve), and one `eval/ppl_<bucket>` scalar
     per bucket at the training step (to follow a bucket across checkpoints)."""
-    from torch.utils.tensorboard import SummaryWriter
+    from torch.utils.tensorboard import SummaryWriter  # slow to import (TensorFlow stubs): only when writing
 
     name = re.sub(r"[^A-Za-z0-9_.-]+", "_", result["label"]).strip("_")
     with SummaryWriter(os.path.join(out_dir, "tensorboard", name)) as writer:
@@ -147,8 +147,6 @@ def write_tensorboard(result: dict, out_dir: str) -> None:
 
 
 def run(args) -> int:
-    from megahybrid.eval.loading import git_commit, load
-
     lengths = parse_lengths(args.lengths)
     want = (args.tokens or DEFAULT_WINDOWS * lengths[-1]) + 1
     tokens = read_tokens(args.data, lengths[-1] + 1, max(want, lengths[-1] + 1))

@@ -16,6 +16,11 @@ import numpy as np
 import torch
 
 from megahybrid.errors import UserError
+from megahybrid.eval.loading import fresh, git_commit, load
+from megahybrid.eval.ppl import parse_lengths
+from megahybrid.model.config import preset
+from megahybrid.model.decode import full_logits
+from megahybrid.train.config import load_config
 
 FIRST_ID = 4  # above unk, bos, eos, pad
 NEEDLE = 2  # tokens of a needle's key and of its value
@@ -83,8 +88,6 @@ def niah_batch(rng, n: int, length: int, depth: float, r: Ranges) -> tuple[np.nd
 @torch.no_grad()
 def correct(model, tokens: np.ndarray, targets: np.ndarray, device, per_sequence: bool) -> np.ndarray:
     """Right answers: per query (MQAR), or per sequence when all its targets are right (NIAH)."""
-    from megahybrid.model.decode import full_logits
-
     batch = max(1, 16384 // tokens.shape[1])
     hits = []
     for s in range(0, len(tokens), batch):
@@ -153,8 +156,6 @@ def table(rows: list[dict]) -> str:
 
 
 def _ints(text: str, what: str) -> list:
-    from megahybrid.eval.ppl import parse_lengths
-
     try:
         return parse_lengths(text)
     except UserError:
@@ -174,10 +175,6 @@ def settings_from(args) -> RecallSettings:
 
 def _trained(args, settings: RecallSettings):
     """A fresh model of the run config's model section, trained on MQAR for --train-steps."""
-    from megahybrid.eval.loading import fresh
-    from megahybrid.model.config import preset
-    from megahybrid.train.config import load_config
-
     cfg = load_config(args.train_config, args.overrides)
     loaded = fresh(preset(cfg.model.preset, **cfg.model.overrides), seed=cfg.train.seed)
     steps = args.train_steps or cfg.train.steps
@@ -191,8 +188,6 @@ def _trained(args, settings: RecallSettings):
 
 
 def run(args) -> int:
-    from megahybrid.eval.loading import git_commit, load
-
     settings = settings_from(args)
     if bool(args.checkpoint) == bool(args.train_config):
         raise UserError("give either --checkpoint PATH (zero-shot) or --train-config CONFIG (train on MQAR first)")

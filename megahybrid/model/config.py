@@ -3,7 +3,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from megahybrid.errors import ConfigError
-
+from megahybrid.model.mixers import mixer_for, mixer_params
 
 INTERDOMAIN_VARIANTS = ("full", "normalized", "generic-query", "dual-contraction")
 
@@ -168,8 +168,6 @@ class ModelConfig:
             )
         if not self.pattern:
             raise ConfigError('model.pattern is empty; use e.g. "S" (all softmax) or "IIIS"')
-        from megahybrid.model.mixers import mixer_for
-
         for char in dict.fromkeys(self.pattern):
             mixer_for(char)
         if set(self.pattern) & {"I", "D"}:
@@ -270,8 +268,6 @@ def preset(name: str, **overrides) -> ModelConfig:
 def count_parameters(cfg: ModelConfig) -> int:
     """Analytic parameter count (norm weights included), independent of parallelism: each layer's mixer from its
     record (megahybrid.model.mixers), plus the SwiGLU MLP, two norms per layer, embeddings and the final norm."""
-    from megahybrid.model.mixers import mixer_params
-
     d = cfg.hidden_size
     per_layer_rest = 3 * d * cfg.ffn_size + 2 * d
     embeddings = cfg.vocab_size * d * (1 if cfg.tie_embeddings else 2)

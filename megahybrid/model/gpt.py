@@ -7,8 +7,9 @@ import torch.nn.functional as F
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer import TransformerConfig
 
-from megahybrid.distributed import device
+from megahybrid.distributed import context_parallel_group, device
 from megahybrid.model.config import ModelConfig
+from megahybrid.model.cp import ContiguousShardRotary
 from megahybrid.model.mixers import check_context_parallel, max_chunk_size
 from megahybrid.model.specs import block_spec
 from megahybrid.parallel import ParallelLayout
@@ -85,9 +86,6 @@ def build_model(cfg: ModelConfig, layout: ParallelLayout, precision: str = "fp32
         rotary_base=int(cfg.rope_base),
     )
     if layout.cp > 1:
-        from megahybrid.distributed import context_parallel_group
-        from megahybrid.model.cp import ContiguousShardRotary
-
         model.rotary_pos_emb = ContiguousShardRotary(model.rotary_pos_emb, context_parallel_group().rank(), layout.cp)
     return model.to(device())
 

@@ -8,6 +8,8 @@ import torch
 from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
 from megatron.core.transformer import TransformerConfig
 
+from megahybrid.distributed import tensor_parallel_group
+
 
 class RMSNorm(torch.nn.Module):
     def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-5):
@@ -20,8 +22,6 @@ class RMSNorm(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.weight
         if self.sequence_parallel:
-            from megahybrid.distributed import tensor_parallel_group
-
             weight = copy_to_tensor_model_parallel_region(weight, group=tensor_parallel_group())
         x_f32 = x.float()
         normed = x_f32 * torch.rsqrt(x_f32.pow(2).mean(-1, keepdim=True) + self.eps)

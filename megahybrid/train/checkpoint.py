@@ -18,7 +18,10 @@ corrupt candidate gives a warning and the next older one is tried.
 Every file is read with `torch.load(weights_only=True)`: tensors, numbers, strings and containers, plus the four
 DeepSpeed classes in DEEPSPEED_GLOBALS. A file that names any other Python object is refused before anything in it
 is constructed (the manifest only catches accidents: whoever can write the checkpoint can rewrite it too).
+
+megatron and DeepSpeed are imported inside the functions that need them (each takes seconds to import).
 """
+import dataclasses
 import hashlib
 import json
 import os
@@ -30,8 +33,11 @@ import time
 import numpy as np
 import torch
 import torch.distributed as dist
+import yaml
 
 from megahybrid.errors import UserError
+from megahybrid.model.config import NOT_IN_WEIGHTS, preset
+from megahybrid.train.config import from_dict
 
 TAG_PREFIX = "step_"
 MANIFEST = "manifest.json"
@@ -332,13 +338,6 @@ class CheckpointManager:
 
     def check_model(self, tag: str, model) -> None:
         """Refuse, before loading, a checkpoint whose model differs from this run's (names every field)."""
-        import dataclasses
-
-        import yaml
-
-        from megahybrid.model.config import NOT_IN_WEIGHTS, preset
-        from megahybrid.train.config import from_dict
-
         path = os.path.join(self.root, tag, "config.yaml")
         with open(path) as f:
             saved_cfg = from_dict(yaml.safe_load(f))

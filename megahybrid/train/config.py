@@ -11,7 +11,11 @@ from pathlib import Path
 
 import yaml
 
+from megahybrid.data.config import DataConfig
 from megahybrid.errors import ConfigError
+from megahybrid.model.config import preset
+from megahybrid.model.mixers import check_context_parallel, max_chunk_size
+from megahybrid.parallel import ParallelLayout
 
 PACKAGE_CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 REPO_DS_CONFIGS = Path(__file__).resolve().parent.parent.parent / "ds_configs"
@@ -272,18 +276,14 @@ def _typed(path: str, value, annotation):
 
 
 def validate(cfg: RunConfig, world_size: int, has_gpu: bool, check_data: bool = True):
-    """Check the whole config for `world_size` ranks; returns (ModelConfig, ParallelLayout, DeepSpeed dict).
+    """Check the whole config for `world_size` ranks; returns (ModelConfig, ParallelLayout, DeepSpeed dict,
+    precision).
 
     Nothing here starts a process group; data files are checked when `check_data` (after built-in preparation).
     """
-    from megahybrid.model.config import preset
-    from megahybrid.parallel import ParallelLayout
-
     model = preset(cfg.model.preset, **cfg.model.overrides)
     p = cfg.parallel
     layout = ParallelLayout.for_world(world_size, tp=p.tp, cp=p.cp, sequence_parallel=p.sequence_parallel)
-    from megahybrid.model.mixers import check_context_parallel, max_chunk_size
-
     layout.check_model(model.num_heads, model.kv_heads, model.seq_length, max_chunk_size(model.pattern))
     check_context_parallel(model.pattern, layout.cp)
     _check_numbers(cfg)
@@ -291,7 +291,7 @@ def validate(cfg: RunConfig, world_size: int, has_gpu: bool, check_data: bool = 
     precision = resolved_precision(cfg, has_gpu)
     resolved_compile(cfg, has_gpu)
     ds = load_deepspeed_config(cfg.train.deepspeed_config)
-    _check_zero(cfg, ds, layout, has_gpu)
+    _check_zero(ds, has_gpu)
     if check_data and not cfg.data.builtin and not cfg.data.synthetic:
         data_config(cfg).validate(model.seq_length, model.vocab_size)
     return model, layout, ds, precision
@@ -401,7 +401,7 @@ def zero_stage(ds: dict) -> int:
     return int(ds.get("zero_optimization", {}).get("stage", 0))
 
 
-def _check_zero(cfg: RunConfig, ds: dict, layout, has_gpu: bool) -> None:
+def _check_zero(ds: dict, has_gpu: bool) -> None:
     stage = zero_stage(ds)
     zero = ds.get("zero_optimization", {})
     if stage not in (1, 2, 3):
@@ -413,8 +413,6 @@ def _check_zero(cfg: RunConfig, ds: dict, layout, has_gpu: bool) -> None:
 
 def data_config(cfg: RunConfig, builtin=None):
     """The data pipeline's DataConfig from our data section (built-in paths filled in when given)."""
-    from megahybrid.data.config import DataConfig
-
     fields = dict(cfg.data.fields)
     fields.setdefault("seed", cfg.train.seed)
     known = {f.name for f in dataclasses.fields(DataConfig)}

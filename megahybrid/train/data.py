@@ -4,6 +4,8 @@ from dataclasses import dataclass
 
 import torch
 
+from megahybrid.data.builtin import prepare_builtin
+from megahybrid.data.datasets import build_datasets
 from megahybrid.data.loader import MicroBatchLoader
 from megahybrid.train.config import RunConfig, data_config
 
@@ -39,8 +41,6 @@ def prepare_data(cfg: RunConfig, seq_length: int, vocab_size: int):
         return SyntheticData(cfg.train.seed, vocab_size)
     builtin = None
     if cfg.data.builtin:
-        from megahybrid.data.builtin import prepare_builtin
-
         builtin = prepare_builtin(cfg.data.builtin_dir, vocab_size=cfg.data.builtin_vocab_size,
                                   num_docs=cfg.data.builtin_num_docs)
     data = data_config(cfg, builtin)
@@ -48,10 +48,8 @@ def prepare_data(cfg: RunConfig, seq_length: int, vocab_size: int):
     return data
 
 
-def build_splits(cfg: RunConfig, data, seq_length: int, groups):
+def build_splits(cfg: RunConfig, data, seq_length: int):
     """(train dataset, valid dataset or None) sized for the whole run; built on every rank, rank 0 first."""
-    from megahybrid.data.datasets import build_datasets
-
     train_samples = cfg.train.steps * cfg.batch.global_batch_size
     valid_samples = cfg.eval.iters * cfg.batch.global_batch_size
     if isinstance(data, SyntheticData):

@@ -144,7 +144,7 @@ def set_lr(optimizer, lr: float) -> None:
 
 def build_engine(model, cfg, groups: Groups, ds_base: dict, precision: str):
     """(engine, client optimizer) from DeepSpeed with our optimizer and mpu."""
-    import deepspeed
+    import deepspeed  # seconds to import: only when an engine is built (config checks and tests of parts skip it)
 
     o = cfg.optimizer
     optimizer = SkippableAdamW(

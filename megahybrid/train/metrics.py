@@ -12,15 +12,15 @@ import os
 import sys
 import time
 
+import psutil
 import torch
 
 from megahybrid.model.config import ModelConfig
+from megahybrid.model.mixers import mixer_flops
 
 
 def flops_per_token(cfg: ModelConfig) -> float:
     """Training FLOPs per token (forward + backward) by the formula in the module docstring."""
-    from megahybrid.model.mixers import mixer_flops
-
     d = cfg.hidden_size
     dense = 2.0 * (cfg.num_layers * 3 * d * cfg.ffn_size + cfg.vocab_size * d)
     return 3.0 * (mixer_flops(cfg) + dense)
@@ -42,8 +42,6 @@ def memory_mib() -> dict[str, float]:
     if torch.cuda.is_available():
         return {"memory/allocated_mib": torch.cuda.memory_allocated() / 2**20,
                 "memory/peak_mib": torch.cuda.max_memory_allocated() / 2**20}
-    import psutil
-
     return {"memory/rss_mib": psutil.Process().memory_info().rss / 2**20}
 
 
@@ -69,7 +67,7 @@ class TrainLogger:
         os.makedirs(run_dir, exist_ok=True)
         self.jsonl = open(os.path.join(run_dir, "metrics.jsonl"), "a")
         if tb_dir:
-            from torch.utils.tensorboard import SummaryWriter
+            from torch.utils.tensorboard import SummaryWriter  # slow to import; only runs that log to TensorBoard
 
             self.writer = SummaryWriter(tb_dir)
 

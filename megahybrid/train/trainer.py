@@ -19,7 +19,12 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from megahybrid.errors import UserError
+from megahybrid.convert.init import load_full_weights
+from megahybrid.distributed import init_distributed, shutdown
+from megahybrid.errors import EXIT_USER_ERROR, UserError
+from megahybrid.model.config import count_parameters
+from megahybrid.model.cp import shard_batch
+from megahybrid.model.mixers import cp_bytes_per_layer, state_floats
 from megahybrid.outputs import check_writable
 from megahybrid.train import rundir
 from megahybrid.train.checkpoint import TRAINER_STATE, CheckpointManager, all_gather
@@ -29,7 +34,7 @@ from megahybrid.train.engine import LRSchedule, build_engine, set_lr
 from megahybrid.train.metrics import TrainLogger, flops_per_token, memory_mib, model_metrics, say
 from megahybrid.train.signals import EXIT_ABORTED, EXIT_REQUEUE, install_stop_handlers
 
-EXIT_OK, EXIT_CRASH, EXIT_USER_ERROR, EXIT_NONFINITE = 0, 1, 2, 4
+EXIT_OK, EXIT_CRASH, EXIT_NONFINITE = 0, 1, 4
 
 
 @dataclass
@@ -53,7 +58,8 @@ def make_plan(cfg: RunConfig, world_size: int) -> Plan:
 
 
 def set_deterministic(enabled: bool) -> None:
-    """Bitwise-reproducible kernels. CUBLAS_WORKSPACE_CONFIG must be set before CUDA starts (the CLI does it)."""
+    """Bitwise-reproducible kernels. CUBLAS_WORKSPACE_CONFIG is read when cuBLAS creates its first handle, so this
+    runs before the process group and the model exist."""
     if not enabled:
         return
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
@@ -64,9 +70,7 @@ def set_deterministic(enabled: bool) -> None:
 
 class Trainer:
     def __init__(self, plan: Plan, resume: bool = True):
-        from megahybrid.distributed import init_distributed
-        from megahybrid.model.config import count_parameters
-        from megahybrid.model.gpt import build_model
+        from megahybrid.model.gpt import build_model  # megatron: imported with the first Trainer, not the module
 
         self.plan, self.cfg = plan, plan.cfg
         set_deterministic(self.cfg.train.deterministic)
@@ -90,7 +94,7 @@ class Trainer:
                                       hooks=self._checkpoint_hook)
         self.resume_tag = self._resume() if resume else self._refuse_existing()
         self.schedule = self._run_schedule()
-        train_ds, self.valid_ds = build_splits(self.cfg, plan.data, plan.model.seq_length, self.groups)
+        train_ds, self.valid_ds = build_splits(self.cfg, plan.data, plan.model.seq_length)
         if self.valid_ds is None and self.cfg.eval.iters > 0:
             self._warn(f"warning: eval.iters={self.cfg.eval.iters} but the validation split is empty (data.split="
                        f"{plan.data.split}): no validation; give it a share in data.split or set eval.iters=0")
@@ -120,8 +124,6 @@ class Trainer:
         path = self.cfg.checkpoint.init_from
         if not path or (resume and CheckpointManager(self.cfg.checkpoint_dir, 1).tags()):
             return None
-        from megahybrid.convert.init import load_full_weights
-
         load_full_weights(self.model, path, self.plan.model, self.groups.tp_rank, self.groups.layout.tp)
         return path
 
@@ -232,8 +234,7 @@ class Trainer:
                 "stop": stop > 0, "grad_norm": float(norm) if norm is not None else float("nan")}
 
     def _loss(self, batch: dict) -> torch.Tensor:
-        from megahybrid.model.cp import shard_batch
-        from megahybrid.model.gpt import lm_loss
+        from megahybrid.model.gpt import lm_loss  # megatron: see __init__
 
         batch = shard_batch(batch, self.groups.cp_rank, self.groups.layout.cp)
         cp_group = self.groups.cp_group if self.groups.layout.cp > 1 else None
@@ -379,8 +380,6 @@ class Trainer:
 def _state_line(model_cfg, cp: int, precision: str) -> str:
     """Decode-state floats per sequence and layer of each mixer kind at the training context, and under context
     parallelism the bytes each CP rank sends per layer and sequence in a training step."""
-    from megahybrid.model.mixers import cp_bytes_per_layer, state_floats
-
     per_mixer = ",".join(f"{c}:{n}" for c, n in state_floats(model_cfg, model_cfg.seq_length).items())
     line = f"state_floats_per_layer@{model_cfg.seq_length}={per_mixer}"
     if cp > 1:
@@ -390,15 +389,13 @@ def _state_line(model_cfg, cp: int, precision: str) -> str:
 
 
 def _quiet_deepspeed() -> None:
-    from deepspeed.utils import logger
+    from deepspeed.utils import logger  # DeepSpeed takes seconds to import: only when training starts
 
     logger.setLevel(logging.WARNING)
 
 
 def train(cfg: RunConfig, resume: bool = True) -> int:
     """Validate, then train; returns the exit code. Call after `resolve_launch_env()`."""
-    from megahybrid.distributed import shutdown
-
     plan = make_plan(cfg, int(os.environ.get("WORLD_SIZE", "1")))
     try:
         return Trainer(plan, resume=resume).run()

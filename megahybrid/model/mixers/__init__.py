@@ -50,6 +50,7 @@ def _planned(char: str, name: str, issue: str) -> Mixer:
 
 
 def _registry() -> dict[str, Mixer]:
+    # The mixer modules import torch and megatron (config checks need neither) and import `Mixer` from here.
     from megahybrid.model.mixers.interdomain import INTERDOMAIN, S4D
     from megahybrid.model.mixers.nats import GATED_DELTANET, NATSL
     from megahybrid.model.mixers.softmax import SOFTMAX

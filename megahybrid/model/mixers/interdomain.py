@@ -56,7 +56,7 @@ from megatron.core.tensor_parallel.layers import (ColumnParallelLinear, RowParal
                                                   set_tensor_model_parallel_attributes)
 from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
 from megatron.core.transformer.module import MegatronModule
-from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+from megatron.core.transformer.spec_utils import ModuleSpec
 
 from megahybrid.errors import ConfigError
 from megahybrid.model.mixers import Mixer

@@ -16,6 +16,8 @@ from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
 
+from megahybrid.distributed import context_parallel_group
+from megahybrid.model.cp import gather_sequence
 from megahybrid.model.mixers import Mixer
 
 
@@ -68,9 +70,6 @@ class SDPAttention(MegatronModule):
         and every earlier one, [s * (cp_rank + 1), b, heads, d]; later shards are causally invisible."""
         if self.config.context_parallel_size == 1:
             return key, value
-        from megahybrid.distributed import context_parallel_group
-        from megahybrid.model.cp import gather_sequence
-
         group = context_parallel_group()
         visible = key.shape[0] * (torch.distributed.get_rank(group) + 1)
         return gather_sequence(key, 0, group)[:visible], gather_sequence(value, 0, group)[:visible]
