@@ -16,6 +16,7 @@ uses the bf16 matmul rate measured at the end of the run.
 
     python tools/bench_train.py                      # GPU: 125m, 350m, 1.3b at 4K + recompute rows at 1.3b
     python tools/bench_train.py --rows tiny:none:2 --seq 128 --tokens 512 --steps 2 --warmup 1   # CPU smoke
+    python tools/bench_train.py --rows 125m@I:none:8 --no-baseline --profile 25     # where a row's time goes
 Rows are PRESET:RECOMPUTE:MICRO with RECOMPUTE one of none, selective, selective_mlp, full; every preset also
 gets a baseline row at the micro-batch of its first row. Results: tools/results/bench_train-<date>.{json,md}.
 """
@@ -69,7 +70,7 @@ def megahybrid_step(row: dict, args, run_dir: str):
         "data": {"synthetic": True},
         "batch": {"global_batch_size": args.tokens // args.seq, "micro_batch_size": row["micro"]},
         "optimizer": {"warmup_steps": 1},
-        "train": {"steps": args.warmup + args.steps, "compile": {"auto": "auto", "true": True, "false": False}[
+        "train": {"steps": _total_steps(args), "compile": {"auto": "auto", "true": True, "false": False}[
             args.compile]},
         "logging": {"tensorboard": False},
         "eval": {"iters": 0},
@@ -77,6 +78,10 @@ def megahybrid_step(row: dict, args, run_dir: str):
     trainer = Trainer(make_plan(cfg, 1))
     batches = iter(trainer.loader)
     return (lambda: trainer.train_step(batches)), trainer.plan.model, trainer.compiled, trainer.gas
+
+
+def _total_steps(args) -> int:
+    return args.warmup + args.steps + (2 if args.profile else 0)
 
 
 def _preset_fields(spec: str) -> dict:
@@ -98,7 +103,7 @@ def baseline_step(row: dict, args):
     gas = global_batch // row["micro"]
     compiled = torch.cuda.is_available() if args.compile == "auto" else args.compile == "true"
     trainer = BaselineTrainer(cfg, row["micro"], gas, compiled, "cuda" if torch.cuda.is_available() else "cpu")
-    data = RandomTokens(global_batch * (args.warmup + args.steps), args.seq, cfg.vocab_size, seed=1234)
+    data = RandomTokens(global_batch * _total_steps(args), args.seq, cfg.vocab_size, seed=1234)
     batches = iter(MicroBatchLoader(data, global_batch, row["micro"]))
     return (lambda: trainer.step(batches)), cfg, compiled, gas
 
@@ -133,11 +138,30 @@ def run_child(row: dict, args) -> dict:
         else:
             step, cfg, compiled, gas = baseline_step(row, args)
         timing = measure(step, args.warmup, args.steps)
+        if args.profile:
+            print_profile(step, args.profile, f"{row['system']} {row['preset']}")
         shutdown()
     tok_s = args.tokens // args.seq * args.seq / timing["step_s"]
     tflops = flops_per_token(cfg) * tok_s / 1e12
     return {**row, "seq": args.seq, "gas": gas, "compile": compiled, "tok/s": tok_s, "TFLOP/s": tflops,
             "MFU_989": tflops / DATASHEET_TFLOPS, **timing, "status": "ok"}
+
+
+def print_profile(step, top: int, title: str) -> None:
+    """Where the step's time goes: the `top` kernels by device time over two profiled steps (on stderr, which
+    the parent prints), so a missed target comes with its profile."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities) as prof:
+        for _ in range(2):
+            step()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    sort = "cuda_time_total" if torch.cuda.is_available() else "cpu_time_total"
+    print(f"profile of 2 steps: {title}", file=sys.stderr)
+    print(prof.key_averages().table(sort_by=sort, row_limit=top, max_name_column_width=70), file=sys.stderr)
 
 
 def _child_env() -> dict:
@@ -158,6 +182,8 @@ def run_row(row: dict, argv: list[str], timeout: float) -> dict:
         return {**row, "status": f"timeout after {timeout:.0f} s"}
     for line in out.stdout.splitlines():
         if line.startswith(ROW_MARK):
+            if "--profile" in argv:
+                print(out.stderr[out.stderr.find("profile of 2 steps"):], file=sys.stderr)
             return json.loads(line[len(ROW_MARK):])
     print(out.stderr[-4000:], file=sys.stderr)
     return {**row, "status": f"exit {out.returncode}: {_failure_line(out.stderr or out.stdout)[:300]}"}
@@ -182,13 +208,15 @@ def parse_args(argv=None):
     parser.add_argument("--row-timeout-s", type=float, default=150.0, help="wall time for one row")
     parser.add_argument("--results-dir", default=None, help="default tools/results")
     parser.add_argument("--no-baseline", action="store_true", help="megahybrid rows only")
+    parser.add_argument("--profile", type=int, default=0, help="print each row's top-N kernels (2 steps)")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
 
 def _shared_argv(args) -> list[str]:
     return ["--seq", str(args.seq), "--tokens", str(args.tokens), "--steps", str(args.steps),
-            "--warmup", str(args.warmup), "--compile", args.compile]
+            "--warmup", str(args.warmup), "--compile", args.compile,
+            *(["--profile", str(args.profile)] if args.profile else [])]
 
 
 def main(argv=None) -> int:
