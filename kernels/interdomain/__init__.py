@@ -17,6 +17,9 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _CHECKED_DECAY: dict = {}
 
 
+# A compiled model calls the op opaquely (as flash-linear-attention's ops): dynamo would otherwise trace the
+# host-side checks and hand our Triton launches to inductor (a CUDA misaligned-address fault at 125M, measured).
+@torch.compiler.disable
 def interdomain_attention(q, k, v, decay, b, initial_state=None, output_final_state=False, normalize=False,
                           chunk_size=64, readout=None):
     """Interdomain Attention (see kernels/interdomain/README.md for the definition).

@@ -22,7 +22,9 @@ FP32_TOL = 1e-2 if HAS_CUDA else 1e-4
 NAMES = ["q", "k", "v", "g", "beta", "keep", "h0"]
 
 
-def make_inputs(B, T, H, K, V, dtype=torch.float32, keep_p=0.5, seed=0, device=DEV):
+def make_inputs(B, T, H, K, V, dtype=torch.float32, keep_p=0.5, seed=0, device=DEV, g_scale=None):
+    """g_scale=None: weak decays (about -0.05 per token); a number: the layer's gates, -A * softplus(x) with A up
+    to g_scale, so a chunk's summed log decay goes far below -88 (where e^{-G} overflows fp32)."""
     gen = torch.Generator().manual_seed(seed)
     rnd = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
     NT = math.ceil(T / 64)
@@ -30,6 +32,8 @@ def make_inputs(B, T, H, K, V, dtype=torch.float32, keep_p=0.5, seed=0, device=D
     k = F.normalize(rnd(B, T, H, K), dim=-1)
     v = rnd(B, T, H, V)
     g = F.logsigmoid(rnd(B, T, H) + 3.0)
+    if g_scale is not None:
+        g = -torch.rand(1, 1, H, generator=gen) * g_scale * F.softplus(rnd(B, T, H))
     beta = torch.rand(B, T, H, generator=gen)
     keep = (torch.rand(B, H, NT, generator=gen) < keep_p).float()
     h0 = 0.5 * rnd(B, H, K, V)
@@ -73,6 +77,14 @@ def compare(inputs, tol, grad_tol=None, **kw):
 @pytest.mark.parametrize("T", [63, 64, 100, 300])
 def test_kernels_match_naive(T, decay_dropped, nan_empty):
     compare(make_inputs(1, T, 2, 32, 16, seed=T), FP32_TOL, decay_dropped=decay_dropped)
+
+
+@pytest.mark.parametrize("T", [100, 200])
+def test_strong_decays_stay_finite(T, nan_empty):
+    """The N/G layers' gates: a chunk's decay e^{G} underflows to 0 while e^{-G_t} would overflow."""
+    inputs = make_inputs(1, T, 2, 32, 16, seed=T, g_scale=16.0)
+    assert inputs[3][0, :64].sum(0).max() < -88
+    compare(inputs, FP32_TOL)
 
 
 def test_odd_head_sizes_and_batch(nan_empty):
@@ -236,11 +248,11 @@ def test_gpu_keep_all_equals_fla_forward():
 GRID_TOL = {"float32": (1e-2, 1e-2), "bfloat16": (2e-2, 5e-2)}
 
 
-def grid_errors(K, V, dtype, Ts, B=2, H=2):
+def grid_errors(K, V, dtype, Ts, B=2, H=2, g_scale=None):
     """{T: errors vs the fp32 naive reference} for one head shape, or {T: "refused: ..."} for a ValueError."""
     out = {}
     for T in Ts:
-        inputs = make_inputs(B, T, H, K, V, dtype=getattr(torch, dtype), seed=T + K + V)
+        inputs = make_inputs(B, T, H, K, V, dtype=getattr(torch, dtype), seed=T + K + V, g_scale=g_scale)
         try:
             with nan_poisoned_empty():
                 # both rollback rules and both dkeep options across the two short lengths
@@ -250,9 +262,9 @@ def grid_errors(K, V, dtype, Ts, B=2, H=2):
     return out
 
 
-def run_grid_case(K, V, dtype, Ts, B=2, H=2):
+def run_grid_case(K, V, dtype, Ts, B=2, H=2, g_scale=None):
     code = (f"import json; from tests.kernels.test_nats_gdn import grid_errors; "
-            f"print('GRID', json.dumps(grid_errors({K}, {V}, {dtype!r}, {list(Ts)}, {B}, {H})))")
+            f"print('GRID', json.dumps(grid_errors({K}, {V}, {dtype!r}, {list(Ts)}, {B}, {H}, {g_scale})))")
     root = str(Path(__file__).resolve().parents[2])
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([root] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
     proc = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True,
@@ -285,3 +297,12 @@ def test_gpu_head_size_grid(K, V, dtype):
 def test_gpu_long_sequence_k64(dtype):
     """Issue 14's second failing shape class: K = 64, V = 128 at T = 4096."""
     run_grid_case(64, 128, dtype, [4096], B=1, H=2)
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("K,V", [(64, 128), (128, 256), (192, 384)])
+def test_gpu_strong_decays(K, V, dtype):
+    """The layers' gates (A up to 16): chunk decays far below e^-88, where e^{G_L} * e^{-G_t} gave NaN."""
+    run_grid_case(K, V, dtype, [300, 4096], B=1, H=2, g_scale=16.0)

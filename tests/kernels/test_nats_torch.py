@@ -16,8 +16,8 @@ from tests.utils import assert_close
 TOL = 1e-5
 
 
-def gdn_case(B, T, H, K, V, seed, **kw):
-    inputs = gdn_tests.make_inputs(B, T, H, K, V, seed=seed, device="cpu")
+def gdn_case(B, T, H, K, V, seed, g_scale=None, **kw):
+    inputs = gdn_tests.make_inputs(B, T, H, K, V, seed=seed, device="cpu", g_scale=g_scale)
     gen = torch.Generator().manual_seed(seed + 1)
     do, dht = torch.randn(B, T, H, V, generator=gen), torch.randn(B, H, K, V, generator=gen)
     fns = [lambda *x, **a: torch_chunk_selected_gdn(*x[:6], K ** -0.5, initial_state=a["initial_state"], **kw),
@@ -37,6 +37,11 @@ def test_gdn_torch_matches_naive(T, decay_dropped):
     keep, dkeep = inputs[5], rgrads[5]
     if T > 64:
         assert dkeep[keep == 1].abs().min() > 0 and (dkeep[keep == 0] == 0).all()
+
+
+def test_gdn_torch_strong_decays():
+    """The layers' gates: chunk decays below e^-88 stay finite and match the definition."""
+    gdn_case(1, 100, 2, 16, 8, seed=9, g_scale=16.0)
 
 
 def test_gdn_torch_dkeep_dropped():

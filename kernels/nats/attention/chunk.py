@@ -467,6 +467,9 @@ def _check_inputs(q, k, v, keep, chunk_size):
     check_keep_values(keep, "chunk_selected_attention")
 
 
+# A compiled model calls the op opaquely (as flash-linear-attention's ops): dynamo would otherwise trace the
+# host-side value checks (host syncs) and hand our Triton launches to inductor.
+@torch.compiler.disable
 def chunk_selected_attention(
     q: torch.Tensor,
     k: torch.Tensor,

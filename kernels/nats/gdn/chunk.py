@@ -61,11 +61,14 @@ def _ld_vec(ptr, r, nr, stride):
 
 @triton.jit
 def _chunk_scalars(G, keep, t0, T, i_keep, stride_g, DECAY_DROPPED: tl.constexpr):
-    """(m, e^{G_L}, a) of one chunk: keep flag, total decay and the state's multiplier after the commit."""
+    """(m, G_L, a) of one chunk: keep flag, total log decay and the state's multiplier after the commit.
+    Callers form e^{G_L - G_t} in one exp: e^{G_L} * e^{-G_t} overflows (inf * 0 = NaN) once a chunk's decay
+    passes e^-88, which the layer's gates (A up to 16) reach."""
     m = tl.load(keep + i_keep).to(tl.float32)
-    decay = tl.exp(tl.load(G + (tl.minimum(t0 + 64, T) - 1) * stride_g))
+    g_last = tl.load(G + (tl.minimum(t0 + 64, T) - 1) * stride_g)
+    decay = tl.exp(g_last)
     base = decay if DECAY_DROPPED else 1.0
-    return m, decay, m * decay + (1.0 - m) * base
+    return m, g_last, m * decay + (1.0 - m) * base
 
 
 @triton.jit
@@ -226,11 +229,11 @@ def _fwd_h_kernel(k, w, u, G, keep, h, v_new, h0, ht, T, NT: tl.constexpr, H: tl
         b_w = _ld(w, r, ck, T, K, H * K)
         b_vn = _ld(u, r, cv, T, V, H * V).to(tl.float32) - tl.dot(b_w, b_h.to(b_w.dtype))
         _st(v_new, r, cv, T, V, H * V, b_vn)
-        m, decay, a = _chunk_scalars(G, keep, i_t * 64, T, i_bh.to(tl.int64) * NT + i_t, H, DECAY_DROPPED)
+        m, g_last, a = _chunk_scalars(G, keep, i_t * 64, T, i_bh.to(tl.int64) * NT + i_t, H, DECAY_DROPPED)
         b_h *= a
         if m != 0:
             b_G = _ld_vec(G, r, T, H)
-            b_vd = b_vn * tl.where(r < T, m * decay * tl.exp(-b_G), 0.0)[:, None]
+            b_vd = b_vn * tl.where(r < T, m * tl.exp(g_last - b_G), 0.0)[:, None]
             b_h += tl.dot(_ld_t(k, r, ck, T, K, H * K), b_vd.to(b_w.dtype))
     if STORE_HT:
         _st(ht + i_bh.to(tl.int64) * K * V, ck, cv, K, V, V, b_h)
@@ -254,7 +257,8 @@ def _fwd_o_kernel(q, k, v_new, h, G, o, scale, T, NT, H: tl.constexpr, K: tl.con
         b_o += tl.dot(b_q, _ld(h, c, cv, K, V, V).to(b_q.dtype))
         b_s += tl.dot(b_q, _ld_t(k + (bos * H + i_h) * K, r, c, T, K, H * K))
     b_G = _ld_vec(G + bos * H + i_h, r, T, H)
-    causal = (r[:, None] >= r[None, :]) & (r < T)[None, :]
+    # rows past T too: their G loads as 0, so e^{G_i - G_j} is inf there and 0 * inf = NaN would leak into sums
+    causal = (r[:, None] >= r[None, :]) & (r < T)[None, :] & (r < T)[:, None]
     b_s = tl.where(causal, b_s * tl.exp(b_G[:, None] - b_G[None, :]), 0.0)
     b_vn = _ld(v_new + (bos * H + i_h) * V, r, cv, T, V, H * V)
     b_o = b_o * tl.exp(b_G)[:, None] + tl.dot(b_s.to(b_vn.dtype), b_vn)
@@ -308,12 +312,12 @@ def _bwd_dh_kernel(q, k, w, G, keep, do, dv_local, dv2, dh, dh0, dht, scale, T, 
         i_t = NT - 1 - i_s
         _st(dh + ((i_b.to(tl.int64) * NT + i_t) * H + i_h) * K * V, ck, cv, K, V, V, b_dh)
         r = i_t * 64 + tl.arange(0, 64)
-        m, decay, a = _chunk_scalars(G, keep, i_t * 64, T, i_bh.to(tl.int64) * NT + i_t, H, DECAY_DROPPED)
+        m, g_last, a = _chunk_scalars(G, keep, i_t * 64, T, i_bh.to(tl.int64) * NT + i_t, H, DECAY_DROPPED)
         b_G = _ld_vec(G, r, T, H)
         b_dv = _ld(dv_local, r, cv, T, V, H * V)
         b_k = _ld(k, r, ck, T, K, H * K)
         if m != 0:
-            b_kd = b_k * tl.where(r < T, m * decay * tl.exp(-b_G), 0.0)[:, None]
+            b_kd = b_k * tl.where(r < T, m * tl.exp(g_last - b_G), 0.0)[:, None]
             b_dv += tl.dot(b_kd.to(b_k.dtype), b_dh.to(b_k.dtype))
         _st(dv2, r, cv, T, V, H * V, b_dv)
         b_qt = _ld_t(q, r, ck, T, K, H * K)
@@ -365,17 +369,18 @@ def _bwd_dqkwg_kernel(q, k, v_new, h, dh, do, dv2, G, keep, dq, dk, dw, dG, dkee
     b_q = _ld(q + (bos * H + i_h) * K, r, c, T, K, H * K)
     b_k = _ld(k + (bos * H + i_h) * K, r, c, T, K, H * K)
     b_G = _ld_vec(G + bos * H + i_h, r, T, H)
-    m, decay, a = _chunk_scalars(G + bos * H + i_h, keep, i_t * 64, T, i_bh.to(tl.int64) * NT + i_t, H,
+    m, g_last, a = _chunk_scalars(G + bos * H + i_h, keep, i_t * 64, T, i_bh.to(tl.int64) * NT + i_t, H,
                                  DECAY_DROPPED)
+    decay = tl.exp(g_last)
     valid = r < T
-    causal = (r[:, None] >= r[None, :]) & valid[None, :]
+    causal = (r[:, None] >= r[None, :]) & valid[None, :] & valid[:, None]  # rows past T: see _fwd_o_kernel
     b_dp = tl.where(causal, b_dp * tl.exp(b_G[:, None] - b_G[None, :]), 0.0) * scale
     anti = (r[:, None] <= r[None, :]) & valid[None, :]
     b_dpt = tl.where(anti, b_dpt * tl.exp(b_G[None, :] - b_G[:, None]), 0.0) * scale
     b_dqs = b_dqs * (scale * tl.exp(b_G))[:, None]
     b_dq = b_dqs + tl.dot(b_dp.to(b_k.dtype), b_k)
-    b_kd = b_k.to(tl.float32) * tl.where(valid, decay * tl.exp(-b_G), 0.0)[:, None]
-    b_dk = m * tl.where(valid, decay * tl.exp(-b_G), 0.0)[:, None] * b_dks + tl.dot(b_dpt.to(b_q.dtype), b_q)
+    b_kd = b_k.to(tl.float32) * tl.where(valid, tl.exp(g_last - b_G), 0.0)[:, None]
+    b_dk = m * tl.where(valid, tl.exp(g_last - b_G), 0.0)[:, None] * b_dks + tl.dot(b_dpt.to(b_q.dtype), b_q)
     # gate gradient: state read, write decay, intra-chunk scores (row minus column sums)
     b_qk = tl.dot(b_q, _ld_t(k + (bos * H + i_h) * K, r, c, T, K, H * K))
     b_l = b_dp * b_qk
@@ -618,6 +623,9 @@ def _refuse_unbuildable(q, v):
                          f"({str(e).splitlines()[0]}); use bf16 or smaller heads") from None
 
 
+# A compiled model calls the op opaquely (as flash-linear-attention's ops): dynamo would otherwise trace the
+# host-side value checks (host syncs) and hand our Triton launches to inductor.
+@torch.compiler.disable
 def chunk_selected_gdn(
     q: torch.Tensor,
     k: torch.Tensor,
