@@ -20,10 +20,10 @@ def free_port() -> int:
 
 
 def _worker(rank, world_size, port, out_dir, fn, args, extra_env):
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
-        LOCAL_RANK=str(rank), TRITON_INTERPRET=os.environ.get("TRITON_INTERPRET", "1"), **extra_env,
-    )
+    os.environ.update({
+        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank), "WORLD_SIZE": str(world_size),
+        "LOCAL_RANK": str(rank), "TRITON_INTERPRET": os.environ.get("TRITON_INTERPRET", "1"), **extra_env,
+    })
     try:
         result = ("ok", fn(rank, world_size, *args))
     except BaseException:  # the test process re-raises with the rank's traceback

@@ -17,14 +17,14 @@ COMPILE_LOSS_TOL = 3e-2  # relative, per step: bf16 compute, inductor fuses and 
 PATTERNS = ["S", "I", "D", "N", "G", "INSG"]
 
 
-def _train(rank, world, pattern: str, compile_: bool, run_dir: str):
+def _train(rank, world, pattern: str, compile_: bool, run_dir: str, preset: str = "125m", seq: int = 1024):
     from megahybrid.train.config import from_dict
     from megahybrid.train.trainer import Trainer, make_plan
 
     cfg = from_dict({
         "run_dir": run_dir,
-        "model": {"preset": "125m", "pattern": pattern * (4 // len(pattern)), "num_layers": 4,
-                  "seq_length": 1024},
+        "model": {"preset": preset, "pattern": pattern * (4 // len(pattern)), "num_layers": 4,
+                  "seq_length": seq},
         "data": {"synthetic": True},
         "batch": {"global_batch_size": 4, "micro_batch_size": 2},
         "optimizer": {"warmup_steps": 1},
