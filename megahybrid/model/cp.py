@@ -103,3 +103,13 @@ def previous_shard_tail(x: torch.Tensor, width: int, group) -> torch.Tensor:
     if rank == 0:
         return torch.zeros_like(x[:, :width]) + 0 * tails.sum()
     return tails[:, (rank - 1) * width:rank * width]
+
+
+def layer_cp_group(config):
+    """The CP process group a mixer layer with megatron TransformerConfig `config` exchanges over, or None at cp = 1
+    (and when decoding, which the callers check)."""
+    if config.context_parallel_size == 1:
+        return None
+    from megahybrid.distributed import context_parallel_group
+
+    return context_parallel_group()

@@ -59,6 +59,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from megahybrid.errors import ConfigError
+from megahybrid.model.cp import layer_cp_group
 from megahybrid.model.mixers import Mixer
 
 FEATURE_EPS = 1e-6
@@ -330,14 +331,6 @@ class ContractionReadout(torch.nn.Module):
         return y, (new,)
 
 
-def _cp_group(config):
-    if config.context_parallel_size == 1:
-        return None
-    from megahybrid.distributed import context_parallel_group
-
-    return context_parallel_group()
-
-
 def shard_summary(inputs: torch.Tensor, decay: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """The zero-start final state of a shard in closed form, h[m, d] = sum_t b[m] lambda[m]^(S-1-t) x_t[d]:
     inputs [B, S, H, D] -> complex [B, H, M, D] (one einsum; the core's chunked pass would cost a full run)."""
@@ -411,7 +404,7 @@ class InterdomainMixer(MegatronModule):
         """The mixer on hidden [S, B, d] continuing from `initial` (None: the sequence starts here) at position
         `offset`. Returns (out [S, B, d] before the bias-dropout-add, the final MixerState)."""
         batch = hidden.shape[1]
-        cp_group = _cp_group(self.config) if initial is None else None
+        cp_group = layer_cp_group(self.config) if initial is None else None
         initial = initial or self.zero_state(batch, hidden.device)
         parts, tail = self.inputs(hidden, initial.conv, offset, cp_group)
         decay, b = self.core.discretized()

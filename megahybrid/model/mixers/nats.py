@@ -17,6 +17,22 @@ with a softmax over a linear map of q (one pair per attention head), gated by sw
 `G`: the same projections and GDN branch with every chunk kept, a gated RMSNorm over V, no attention.
 
 Decoding keeps a per-layer `NatsDecodeCache` in megatron's inference_context (see `_decode`).
+
+Context parallelism (parallel.cp > 1, contiguous shards of whole 64-token chunks, megahybrid.model.cp): chunk
+scores and selections are shard-local (chunks never straddle shards). (1) The short conv takes the previous
+shard's last conv_size - 1 inputs (`previous_shard_tail`). (2) GDN: the state after a shard is affine in the
+state before it, S_end = Phi S_0 + S_loc (Phi [K, K] per head, data-dependent through k, g, beta and the keep
+masks, dropped chunks' decays included), because the recurrence, rollback included, is linear in (S, v) jointly
+and acts on every value column alike. One run of the op with value width K + V from the start state [I_K | 0] and
+values [0 | v] therefore gives [Phi | S_loc] as its final state and [o_Phi | o_loc] as its outputs, where o_Phi
+is scale Phi_t^T q_t; `prefix_states_matrix` over the all-gathered (S_loc, Phi) gives the true S_0, and the
+outputs are o_loc + S_0^T o_Phi (`_shard_gdn`, exact; the same one core pass whether or not there is an earlier
+shard, so no rerun). (3) Attention: gather-then-mask, not compacted: every rank all-gathers the attention view's
+K, V and keep decisions of the whole sequence and keeps those of its own and earlier shards; the op runs over that
+prefix with zero queries ahead of this shard's (their outputs are dropped and their gradient is zero), so
+visibility and the straight-through keep gradient are the op's own (`_shard_attention`). This sends every chunk,
+kept or not (cp_bytes counts that), and computes the zero queries' rows too; compacting the kept chunks of
+earlier shards is the efficient form, not built. Gradients reach earlier ranks through every all-gather.
 """
 import math
 from dataclasses import dataclass
@@ -36,6 +52,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from kernels.nats import chunk_selected_attention, chunk_selected_gdn, chunk_selected_gdn_step
 from kernels.nats.attention import SelectedAttentionCache, selected_attention_prefill, selected_attention_step
 from megahybrid.errors import ConfigError
+from megahybrid.model.cp import gather_sequence, layer_cp_group, prefix_states_matrix, previous_shard_tail
 from megahybrid.model.mixers import Mixer
 
 CHUNK = 64  # the selection granularity of NAtS-L and the chunk of both ops
@@ -188,9 +205,13 @@ class NatsLayer(MegatronModule):
         y = F.conv1d(x, self.conv_weight.reshape(H * C, 1, self.conv_size), groups=H * C)
         return F.silu(y).transpose(1, 2).reshape(B, T, H, C), x[..., x.shape[-1] - (self.conv_size - 1):]
 
-    def _inputs(self, parts, tail=None):
-        """q, k, v (after conv and SiLU), gate, g (log decay, fp32), beta, score logits (or None), conv tail."""
+    def _inputs(self, parts, tail=None, cp_group=None):
+        """q, k, v (after conv and SiLU), gate, g (log decay, fp32), beta, score logits (or None), conv tail.
+        With a CP group the conv continues from the previous shard's inputs."""
         qkv, gate, a, b = parts[:4]
+        if cp_group is not None:
+            B, T, H, C = qkv.shape
+            tail = previous_shard_tail(qkv.reshape(B, T, H * C), self.conv_size - 1, cp_group).transpose(1, 2)
         qkv, tail = self._conv(qkv, tail)
         q, k, v = qkv.split([self.K, self.K, self.V], -1)
         g = -self.A_log.exp() * F.softplus(a[..., 0].float() + self.dt_bias)
@@ -233,16 +254,18 @@ class NatsLayer(MegatronModule):
 
     def _mix(self, parts):
         """The training / full-sequence forward: [B, T, H * V] before the output projection."""
-        q, k, v, gate, g, beta, score, _ = self._inputs(parts)
+        group = layer_cp_group(self.config)
+        q, k, v, gate, g, beta, score, _ = self._inputs(parts, cp_group=group)
+        gdn = chunk_selected_gdn if group is None else _shard_gdn(group)
         if not self.select:
             keep = torch.ones(q.shape[0], self.H, math.ceil(q.shape[1] / CHUNK), device=q.device)
-            o_gdn, _ = chunk_selected_gdn(q, k, v, g, beta, keep, use_qk_l2norm=True)
+            o_gdn, _ = gdn(q, k, v, g, beta, keep, use_qk_l2norm=True)
             return self._merge(q, o_gdn, None, gate)
         keep_attn, keep_gdn = self._choose(_chunk_mean(score))
-        o_gdn, _ = chunk_selected_gdn(q, k, v, g, beta, keep_gdn, use_qk_l2norm=True)
+        o_gdn, _ = gdn(q, k, v, g, beta, keep_gdn, use_qk_l2norm=True)
         qa, ka, va = self._attention_view(q, k, v)
-        o_attn = chunk_selected_attention(qa, ka, va, keep_attn.repeat_interleave(self.per_head, 1),
-                                          scale=self.dqk ** -0.5)
+        attention = chunk_selected_attention if group is None else _shard_attention(group)
+        o_attn = attention(qa, ka, va, keep_attn.repeat_interleave(self.per_head, 1), scale=self.dqk ** -0.5)
         return self._merge(q, o_gdn, o_attn, gate)
 
     def _decode(self, parts, context):
@@ -334,6 +357,41 @@ class NatsLayer(MegatronModule):
                          "merge_weight_gdn"), values))
 
 
+def _shard_gdn(group):
+    """chunk_selected_gdn for this CP rank's shard (module docstring, (2)): outputs as if the op had run from the
+    state after all earlier shards; the final state is not returned (None)."""
+
+    def gdn(q, k, v, g, beta, keep, use_qk_l2norm):
+        B, T, H, K = k.shape
+        V = v.shape[-1]
+        eye = torch.eye(K, device=k.device, dtype=torch.float32).expand(B, H, K, K)
+        start = torch.cat([eye, eye.new_zeros(B, H, K, V)], -1)
+        values = torch.cat([v.new_zeros(B, T, H, K), v], -1)
+        o, final = chunk_selected_gdn(q, k, values, g, beta, keep, initial_state=start, output_final_state=True,
+                                      use_qk_l2norm=use_qk_l2norm)
+        o_map, o_local = o.split([K, V], -1)
+        transition, local = final.split([K, V], -1)
+        s0 = prefix_states_matrix(local.contiguous(), transition.contiguous(), group)
+        return (o_local.float() + torch.einsum("bthk,bhkv->bthv", o_map.float(), s0)).to(o.dtype), None
+
+    return gdn
+
+
+def _shard_attention(group):
+    """chunk_selected_attention for this CP rank's shard (module docstring, (3)): keys, values and keep decisions
+    of this and every earlier shard, this shard's queries after zero ones."""
+
+    def attention(q, k, v, keep, scale):
+        S = k.shape[1]
+        visible = S * (torch.distributed.get_rank(group) + 1)
+        k_all, v_all = (gather_sequence(x, 1, group)[:, :visible] for x in (k, v))
+        keep_all = gather_sequence(keep, 2, group)[:, :, :visible // CHUNK]
+        q_all = torch.cat([q.new_zeros(q.shape[0], visible - S, *q.shape[2:]), q], 1)
+        return chunk_selected_attention(q_all, k_all, v_all, keep_all, scale=scale)[:, visible - S:]
+
+    return attention
+
+
 def _spec(select: bool):
     def spec(cfg) -> ModuleSpec:
         return ModuleSpec(module=NatsLayer, params={"options": cfg.nats, "select": select, "eps": cfg.norm_eps})
@@ -399,9 +457,25 @@ def cache_bytes(cfg, context: int, kv_bytes: int = 2) -> dict[str, int]:
     return out
 
 
-NATSL = Mixer("N", "NAtS-L", _spec(True), nats_params, nats_flops, nats_state_floats, chunk_size=CHUNK, cp=False,
-              cache="NAtS-L cache: kept-chunk K/V + open chunk, GDN state + rollback copy, conv tails")
+def nats_cp_bytes(cfg, cp: int, element_bytes: int, select: bool = True) -> int:
+    """Bytes one CP rank sends per layer, sequence and training step. Each all-gather sends (cp - 1) copies of
+    the rank's piece forward and all-reduces the gathered gradient, 2 (cp - 1) pieces, backward (gloo has no
+    reduce-scatter). Pieces: the conv halo (conv_size - 1 input rows of the q/k/v channels, activation dtype), the
+    fp32 GDN summary (state S_loc [K, V] and transition Phi [K, K] per head); for `N` also the attention view's K
+    and V of the whole shard (activation dtype: every chunk, not only the kept ones) and its fp32 keep decisions."""
+    o = cfg.nats
+    H, K, V = o.gdn_heads, o.gdn_head_dim, o.gdn_value_dim
+    piece = (o.conv_size - 1) * H * (2 * K + V) * element_bytes + 4 * H * K * (K + V)
+    if select:
+        S = cfg.seq_length // cp
+        piece += S * H * (K + V) * element_bytes + 4 * (S // CHUNK) * o.attention_heads
+    return 3 * (cp - 1) * piece
+
+
+NATSL = Mixer("N", "NAtS-L", _spec(True), nats_params, nats_flops, nats_state_floats, chunk_size=CHUNK, cp=True,
+              cp_bytes=nats_cp_bytes, cache="NAtS-L cache: kept-chunk K/V + open chunk, GDN state + rollback copy, conv tails")
 GATED_DELTANET = Mixer(
     "G", "Gated DeltaNet", _spec(False), lambda cfg: nats_params(cfg, False), lambda cfg: nats_flops(cfg, False),
-    lambda cfg, context: nats_state_floats(cfg, context, False), chunk_size=CHUNK, cp=False,
+    lambda cfg, context: nats_state_floats(cfg, context, False), chunk_size=CHUNK, cp=True,
+    cp_bytes=lambda cfg, cp, element_bytes: nats_cp_bytes(cfg, cp, element_bytes, False),
     cache="GDN state + conv tails")
