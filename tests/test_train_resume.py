@@ -240,3 +240,40 @@ def test_resume_at_another_layout_carries_adam_state(data_dir, tmp_path):
         assert max(gaps[name]) <= LAYOUT_TOL, (name, gaps[name])
     # Step 4's loss depends on the weights only; from step 5 on the dropped moments show.
     assert gaps["dropped"][0] <= LAYOUT_TOL and max(gaps["dropped"][1:]) > 10 * LAYOUT_TOL, gaps["dropped"]
+    _bad_optimizer_shards(os.path.join(ref, "checkpoints", "step_00000003"), str(tmp_path))
+
+
+def _expect_one_line_error(fn, needle):
+    from megahybrid.errors import UserError
+
+    with pytest.raises(UserError) as info:
+        fn()
+    assert needle in str(info.value) and "\n" not in str(info.value), str(info.value)
+
+
+def _bad_optimizer_shards(step_dir, tmp):
+    """A missing, a truncated and a moment-less optimizer shard: each a one-line UserError, from the manifest
+    check and, past it (as after a faulty save), from the reader itself."""
+    import shutil
+
+    import torch
+
+    from megahybrid.convert import sources, zero
+
+    shard = "zero_pp_rank_0_mp_rank_01_optim_states.pt"
+    copy = lambda name: shutil.copytree(step_dir, os.path.join(tmp, name, os.path.basename(step_dir)))
+    missing = copy("missing")
+    os.remove(os.path.join(missing, shard))
+    _expect_one_line_error(lambda: sources.read_checkpoint_states(missing), f"{shard} is missing")
+    _expect_one_line_error(lambda: zero.rank_states(missing, 1, ("fp32", "exp_avg")),
+                           "no ZeRO optimizer file for TP rank 1: a shard is missing")
+    truncated = copy("truncated")
+    with open(os.path.join(truncated, shard), "r+b") as f:
+        f.truncate(os.path.getsize(f.name) // 2)
+    _expect_one_line_error(lambda: sources.read_checkpoint_states(truncated), f"{shard} has the wrong size")
+    _expect_one_line_error(lambda: zero.rank_states(truncated, 1, ("exp_avg",)), "the checkpoint is damaged")
+    stripped = copy("stripped")
+    saved = zero.load_pt(os.path.join(step_dir, shard))
+    del saved["optimizer_state_dict"]["base_optimizer_state"]["state"][0]["exp_avg"]
+    torch.save(saved, os.path.join(stripped, shard))
+    _expect_one_line_error(lambda: zero.rank_states(stripped, 1, ("fp32", "exp_avg")), "holds no Adam exp_avg")

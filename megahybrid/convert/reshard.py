@@ -55,6 +55,7 @@ def _set_partition(zero, param, value: torch.Tensor, key: str | None) -> None:
     part.narrow(0, 0, piece.numel()).copy_(piece)
 
 
+@torch.no_grad()
 def load_resharded(engine, step_dir: str, with_optimizer: bool = True) -> int:
     """Weights and fp32 masters of `step_dir`, and with `with_optimizer` Adam's moments and step, into `engine`
     at its own layout. Returns Adam's step (0 without the optimizer: moments start at zero)."""
@@ -71,7 +72,7 @@ def load_resharded(engine, step_dir: str, with_optimizer: bool = True) -> int:
     for name, param in model.named_parameters():
         local = {key: local_shard(full[key].get(name), param, tags[name], tp_rank, tp_world,
                                   f"checkpoint {step_dir}: {key} of {name}") for key in keys}
-        with deepspeed.zero.GatheredParameters([param], modifier_rank=0), torch.no_grad():
+        with deepspeed.zero.GatheredParameters([param], modifier_rank=0):
             param.copy_(local["fp32"])
         for key, value in local.items():
             _set_partition(engine.optimizer, param, value, None if key == "fp32" else key)
