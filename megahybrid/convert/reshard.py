@@ -23,7 +23,8 @@ def _flat_partitions(zero) -> list[tuple[torch.Tensor, dict]]:
     """(flat fp32 partition, its parameter group) of every ZeRO 1/2 group or ZeRO-3 sub-group of this rank."""
     groups = zero.optimizer.param_groups
     if hasattr(zero, "fp32_partitioned_groups_flat"):
-        return [(flat, groups[zero.sub_group_to_group_id[i]]) for i, flat in enumerate(zero.fp32_partitioned_groups_flat)]
+        flats = zero.fp32_partitioned_groups_flat
+        return [(flat, groups[zero.sub_group_to_group_id[i]]) for i, flat in enumerate(flats)]
     return [(flat, groups[i]) for i, flat in enumerate(zero.single_partition_of_fp32_groups)]
 
 
