@@ -1,8 +1,10 @@
-"""One training checkpoint's DeepSpeed files -> full-precision tensors of each TP rank's shard.
+"""One training checkpoint's DeepSpeed files -> full-precision tensors of each TP rank's shard: the fp32 master
+weights and, for a resume at another layout, Adam's moments and step counter.
 
 The ZeRO partitions (stage 1/2: flat fp32 groups per data-parallel rank; stage 3: flat partitions of every
-parameter) are stitched together by DeepSpeed's own zero_to_fp32 merge functions; only the file reading is ours,
-so that every file goes through `torch.load(weights_only=True)` with a four-class allow-list.
+parameter) are stitched together by DeepSpeed's own zero_to_fp32 merge functions (Adam's moments have the masters'
+flat layout, so the same merge serves them); only the file reading is ours, so that every file goes through
+`torch.load(weights_only=True)` with a four-class allow-list.
 """
 import contextlib
 import glob
@@ -120,7 +122,3 @@ def rank_states(step_dir: str, tp_rank: int, keys=("fp32",)) -> dict[str, dict[s
             out[key] = z.to_torch_tensor(merged)
     return out
 
-
-def rank_state_dict(step_dir: str, tp_rank: int) -> dict[str, torch.Tensor]:
-    """The fp32 master weights of TP rank `tp_rank`, ZeRO partitions merged, keyed by parameter name."""
-    return rank_states(step_dir, tp_rank)["fp32"]
