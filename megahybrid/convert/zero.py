@@ -67,26 +67,30 @@ def _optim_state(path: str) -> dict:
     return {**state, "path": path}
 
 
+def _adam_state(optim: dict) -> dict:
+    """The inner optimizer's state of one ZeRO file: flat group index -> step, exp_avg, exp_avg_sq."""
+    inner = optim.get("base_optimizer_state" if int(optim["zero_stage"]) <= 2 else "optimizer_state_dict")
+    return inner.get("state", {}) if isinstance(inner, dict) else {}
+
+
 def _flat_groups(optim: dict, stage: int, key: str) -> list[torch.Tensor]:
     """One rank's flat partitions of `key` ("fp32" masters, or an Adam state such as "exp_avg"), one per
     parameter group (ZeRO 1/2) or sub-group (ZeRO 3): the inner optimizer's state i belongs to flat group i."""
     masters = optim["single_partition_of_fp32_groups" if stage <= 2 else "fp32_flat_groups"]
     if key == "fp32":
         return masters
-    inner = optim.get("base_optimizer_state" if stage <= 2 else "optimizer_state_dict")
-    state = inner.get("state") if isinstance(inner, dict) else None
-    if state is None or any(key not in state.get(i, {}) for i in range(len(masters))):
-        raise UserError(f"{optim['path']} holds no Adam {key} for every parameter group (elastic or damaged ZeRO "
-                        "file): resume at the saving layout, or pass checkpoint.load_optimizer=false")
+    state = _adam_state(optim)
+    if any(key not in state.get(i, {}) for i in range(len(masters))):
+        raise UserError(f"{optim['path']} holds no Adam {key} for every parameter group (no step taken, or an "
+                        "elastic or damaged ZeRO file): resume at the saving layout, or pass "
+                        "checkpoint.load_optimizer=false")
     return [state[i][key] for i in range(len(masters))]
 
 
 def adam_step(step_dir: str) -> int:
     """Adam's step counter (optimizer steps taken, skipped ones excluded) saved with the checkpoint; 0 before any."""
-    optim = _optim_state(_rank_files(step_dir, "optim", 0)[0])
-    inner = optim.get("base_optimizer_state" if int(optim["zero_stage"]) <= 2 else "optimizer_state_dict")
-    state = inner.get("state", {}) if isinstance(inner, dict) else {}
-    return int(state[0]["step"]) if 0 in state and "step" in state[0] else 0
+    state = _adam_state(_optim_state(_rank_files(step_dir, "optim", 0)[0])).get(0, {})
+    return int(state["step"]) if "step" in state else 0
 
 
 def saved_zero_stage(step_dir: str) -> int:
@@ -111,7 +115,8 @@ def rank_states(step_dir: str, tp_rank: int, keys=("fp32",)) -> dict[str, dict[s
         raise UserError(f"{step_dir}: TP rank {tp_rank} was saved by {world} data-parallel ranks but "
                         f"{len(optim)} optimizer files are present: a shard is missing")
     out = {}
-    with contextlib.redirect_stdout(io.StringIO()):  # the merge functions print progress lines
+    # The merge functions print progress lines and bars (every rank, when a resume reshards).
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
         for key in keys:
             flat = [_flat_groups(o, stage, key) for o in optim]
             if stage <= 2:
