@@ -28,19 +28,25 @@ def check_same_model(source_cfg, target_cfg, path: str) -> None:
                             f"model.{name}={ours!r}: set model.{name}={theirs!r} or use a matching checkpoint")
 
 
+def local_shard(full, param, tag, tp_rank: int, tp_world: int, what: str):
+    """This TP rank's piece of the full tensor `full` of `param` (its ZeRO-3 shape when partitioned), checked."""
+    expected = list(getattr(param, "ds_shape", param.shape))
+    if tag:
+        expected[tag[0]] *= tp_world
+    if full is None or list(full.shape) != expected:
+        found = "missing" if full is None else f"shape {tuple(full.shape)}"
+        raise UserError(f"{what} is {found}, this model needs {tuple(expected)}; use a checkpoint of this model "
+                        "config")
+    return shard_of(full, *tag, tp_world, tp_rank) if tag and tp_world > 1 else full
+
+
 def load_full_weights(model, path: str, model_cfg, tp_rank: int, tp_world: int) -> None:
     """Copy this TP rank's shards of the weights at `path` into `model` (built for that rank)."""
     tags = partition_tags(model)
     weights = sources.read(path, tags)
     check_same_model(weights.model, model_cfg, path)
     for name, param in model.named_parameters():
-        full, tag = weights.tensors.get(name), tags[name]
-        expected = list(param.shape)
-        if tag:
-            expected[tag[0]] *= tp_world
-        if full is None or list(full.shape) != expected:
-            found = "missing" if full is None else f"shape {tuple(full.shape)}"
-            raise UserError(f"checkpoint.init_from {path}: {name} is {found}, this model needs {tuple(expected)}; "
-                            "use a checkpoint of this model config")
+        value = local_shard(weights.tensors.get(name), param, tags[name], tp_rank, tp_world,
+                            f"checkpoint.init_from {path}: {name}")
         with torch.no_grad():
-            param.copy_(shard_of(full, *tag, tp_world, tp_rank) if tag and tp_world > 1 else full)
+            param.copy_(value)

@@ -9,7 +9,7 @@ from tqdm import tqdm
 
 from megahybrid.convert import adapter, files, hf_config
 from megahybrid.convert.local import bare_model, partition_tags
-from megahybrid.convert.zero import rank_state_dict, tp_size
+from megahybrid.convert.zero import rank_states, tp_size
 from megahybrid.errors import UserError
 from megahybrid.model.config import preset
 from megahybrid.model.sharding import merge_shards
@@ -66,18 +66,27 @@ def _tokenizer_of(run_cfg) -> str | None:
 
 def read_checkpoint(step_dir: str, tags: dict | None = None) -> Weights:
     """Verify the manifest, merge ZeRO partitions per TP rank, then TP shards by the model's partition tags."""
+    model_cfg, full = read_checkpoint_states(step_dir, tags)
+    run_cfg, _ = _run_model(os.path.join(step_dir, "config.yaml"))
+    with open(os.path.join(step_dir, "config.yaml")) as f:
+        return Weights(model_cfg, full["fp32"], f.read(), _tokenizer_of(run_cfg), "checkpoint")
+
+
+def read_checkpoint_states(step_dir: str, tags: dict | None = None, keys=("fp32",)) -> tuple:
+    """(model config, {key: {name: full tensor}}) of a verified training checkpoint, for each key of
+    zero.rank_states ("fp32" masters, Adam's "exp_avg" / "exp_avg_sq")."""
     problem = CheckpointManager(os.path.dirname(step_dir), keep=1)._verify(step_dir)
     if problem:
         raise UserError(f"checkpoint {step_dir} is unusable ({problem}); use an older one")
-    run_cfg, model_cfg = _run_model(os.path.join(step_dir, "config.yaml"))
+    _, model_cfg = _run_model(os.path.join(step_dir, "config.yaml"))
     tags = tags or partition_tags(bare_model(model_cfg))
-    ranks = [rank_state_dict(step_dir, r) for r in tqdm(range(tp_size(step_dir)), desc="reading TP ranks")]
-    full = {}
-    for name, tag in tags.items():
-        shards = [r[name] for r in ranks]
-        full[name] = merge_shards(shards, *tag) if tag and len(shards) > 1 else shards[0]
-    with open(os.path.join(step_dir, "config.yaml")) as f:
-        return Weights(model_cfg, full, f.read(), _tokenizer_of(run_cfg), "checkpoint")
+    ranks = [rank_states(step_dir, r, keys) for r in tqdm(range(tp_size(step_dir)), desc="reading TP ranks")]
+    full = {key: {} for key in keys}
+    for key, name in ((key, name) for key in keys for name in tags):
+        shards = [r[key][name] for r in ranks]
+        tag = tags[name]
+        full[key][name] = merge_shards(shards, *tag) if tag and len(shards) > 1 else shards[0]
+    return model_cfg, full
 
 
 def read_consolidated(path: str) -> Weights:

@@ -1,8 +1,10 @@
-"""One training checkpoint's DeepSpeed files -> full-precision tensors of each TP rank's shard.
+"""One training checkpoint's DeepSpeed files -> full-precision tensors of each TP rank's shard: the fp32 master
+weights and, for a resume at another layout, Adam's moments and step counter.
 
 The ZeRO partitions (stage 1/2: flat fp32 groups per data-parallel rank; stage 3: flat partitions of every
-parameter) are stitched together by DeepSpeed's own zero_to_fp32 merge functions; only the file reading is ours,
-so that every file goes through `torch.load(weights_only=True)` with a four-class allow-list.
+parameter) are stitched together by DeepSpeed's own zero_to_fp32 merge functions (Adam's moments have the masters'
+flat layout, so the same merge serves them); only the file reading is ours, so that every file goes through
+`torch.load(weights_only=True)` with a four-class allow-list.
 """
 import contextlib
 import glob
@@ -62,17 +64,49 @@ def _optim_state(path: str) -> dict:
     state = load_pt(path).get("optimizer_state_dict", {})
     if "zero_stage" not in state:
         raise UserError(f"{path} is not a DeepSpeed ZeRO optimizer file (no zero_stage)")
-    state.pop("optimizer_state_dict", None)  # Adam moments: not needed for the weights
-    return state
+    return {**state, "path": path}
 
 
-def rank_state_dict(step_dir: str, tp_rank: int) -> dict[str, torch.Tensor]:
-    """The fp32 master weights of TP rank `tp_rank`, ZeRO partitions merged, keyed by parameter name."""
+def _adam_state(optim: dict) -> dict:
+    """The inner optimizer's state of one ZeRO file: flat group index -> step, exp_avg, exp_avg_sq."""
+    inner = optim.get("base_optimizer_state" if int(optim["zero_stage"]) <= 2 else "optimizer_state_dict")
+    return inner.get("state", {}) if isinstance(inner, dict) else {}
+
+
+def _flat_groups(optim: dict, stage: int, key: str) -> list[torch.Tensor]:
+    """One rank's flat partitions of `key` ("fp32" masters, or an Adam state such as "exp_avg"), one per
+    parameter group (ZeRO 1/2) or sub-group (ZeRO 3): the inner optimizer's state i belongs to flat group i."""
+    masters = optim["single_partition_of_fp32_groups" if stage <= 2 else "fp32_flat_groups"]
+    if key == "fp32":
+        return masters
+    state = _adam_state(optim)
+    if any(key not in state.get(i, {}) for i in range(len(masters))):
+        raise UserError(f"{optim['path']} holds no Adam {key} for every parameter group (no step taken, or an "
+                        "elastic or damaged ZeRO file): resume at the saving layout, or pass "
+                        "checkpoint.load_optimizer=false")
+    return [state[i][key] for i in range(len(masters))]
+
+
+def adam_step(step_dir: str) -> int:
+    """Adam's step counter (optimizer steps taken, skipped ones excluded) saved with the checkpoint; 0 before any."""
+    state = _adam_state(_optim_state(_rank_files(step_dir, "optim", 0)[0])).get(0, {})
+    return int(state["step"]) if "step" in state else 0
+
+
+def saved_zero_stage(step_dir: str) -> int:
+    files = _rank_files(step_dir, "optim", 0)
+    if not files:
+        raise UserError(f"{step_dir}: no ZeRO optimizer file for TP rank 0: a shard is missing")
+    return int(_optim_state(files[0])["zero_stage"])
+
+
+def rank_states(step_dir: str, tp_rank: int, keys=("fp32",)) -> dict[str, dict[str, torch.Tensor]]:
+    """Per key ("fp32" master weights, "exp_avg", "exp_avg_sq"): the full-precision tensors of TP rank
+    `tp_rank`, ZeRO partitions merged, keyed by parameter name."""
     from deepspeed.utils import zero_to_fp32 as z  # see _model_state
 
     model_states = [_model_state(f) for f in _rank_files(step_dir, "model", tp_rank)]
-    optim_files = _rank_files(step_dir, "optim", tp_rank)
-    optim = [_optim_state(f) for f in optim_files]
+    optim = [_optim_state(f) for f in _rank_files(step_dir, "optim", tp_rank)]
     if not optim:
         raise UserError(f"{step_dir}: no ZeRO optimizer file for TP rank {tp_rank}: a shard is missing")
     stage, world = int(optim[0]["zero_stage"]), optim[0]["partition_count"]
@@ -80,12 +114,16 @@ def rank_state_dict(step_dir: str, tp_rank: int) -> dict[str, torch.Tensor]:
     if world != len(optim) or (stage == 3 and world != len(model_states)):
         raise UserError(f"{step_dir}: TP rank {tp_rank} was saved by {world} data-parallel ranks but "
                         f"{len(optim)} optimizer files are present: a shard is missing")
-    with contextlib.redirect_stdout(io.StringIO()):  # the merge functions print progress lines
-        if stage <= 2:
-            flat = [o["single_partition_of_fp32_groups"] for o in optim]
-            merged = z._get_fp32_state_dict_from_zero2_checkpoint(world, flat, model_states, False,
-                                                                  optim[0].get("param_alignment_paddings"))
-        else:
-            flat = [o["fp32_flat_groups"] for o in optim]
-            merged = z._get_fp32_state_dict_from_zero3_checkpoint(world, flat, model_states, False)
-        return z.to_torch_tensor(merged)
+    out = {}
+    # The merge functions print progress lines and bars (every rank, when a resume reshards).
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        for key in keys:
+            flat = [_flat_groups(o, stage, key) for o in optim]
+            if stage <= 2:
+                merged = z._get_fp32_state_dict_from_zero2_checkpoint(world, flat, model_states, False,
+                                                                      optim[0].get("param_alignment_paddings"))
+            else:
+                merged = z._get_fp32_state_dict_from_zero3_checkpoint(world, flat, model_states, False)
+            out[key] = z.to_torch_tensor(merged)
+    return out
+

@@ -350,21 +350,34 @@ class CheckpointManager:
                 f"checkpoint {os.path.join(self.root, tag)} holds another model ({', '.join(changed)}): resume with "
                 "the checkpoint's model settings (its config.yaml), or pass --no-resume with another checkpoint.dir")
 
-    def load(self, engine, tag: str, layout: dict) -> dict:
-        """Load model + optimizer into `engine`, this rank's RNG states; returns the trainer state.
-        The layout (tp/cp/dp) must equal the saving run's: ZeRO partitions and RNG states are per rank."""
+    def load(self, engine, tag: str, layout: dict, load_optimizer: bool = True) -> dict:
+        """Load model + optimizer into `engine`; returns the trainer state. At the saving layout and ZeRO stage
+        DeepSpeed reads its own files and each rank its RNG states; at another layout or stage (or without the
+        optimizer) megahybrid.convert.reshard maps the full tensors onto this one (README "Another layout")."""
+        from megahybrid.convert.zero import saved_zero_stage  # convert imports this module
+
         path = os.path.join(self.root, tag)
         with open(os.path.join(path, TRAINER_STATE)) as f:
             state = json.load(f)
-        if state.get("layout") != layout:
-            raise UserError(
-                f"checkpoint {path} was saved with layout {state.get('layout')} but this run has {layout}: resume "
-                "with the same layout, or start a new checkpoint.dir with checkpoint.init_from=<that checkpoint> "
-                "(weights only; see also megahybrid convert)"
-            )
+        saved, ours = (state.get("layout"), saved_zero_stage(path)), (layout, engine.zero_optimization_stage())
+        if saved != ours or not load_optimizer:
+            self._load_resharded(engine, path, load_optimizer, saved, ours)
+            return state
         load_path, _ = engine.load_checkpoint(self.root, tag=tag, load_optimizer_states=True,
                                               load_lr_scheduler_states=False)
         if load_path is None:
             raise UserError(f"checkpoint {path} could not be loaded by DeepSpeed: remove it or pass --no-resume")
         set_rng_state(safe_load(os.path.join(path, "rng", f"rank_{self.rank:05d}.pt")))
         return state
+
+    def _load_resharded(self, engine, path: str, load_optimizer: bool, saved: tuple, ours: tuple) -> None:
+        from megahybrid.convert.reshard import load_resharded
+
+        step = load_resharded(engine, path, load_optimizer)
+        where = lambda lay, stage: " ".join(f"{k}={lay.get(k)}" for k in ("tp", "cp", "dp")) + f" ZeRO-{stage}"
+        what = (f"weights, fp32 master weights and Adam moments resharded (Adam step {step})" if load_optimizer else
+                "weights resharded; optimizer state NOT loaded (checkpoint.load_optimizer=false): Adam moments "
+                "restart at zero")
+        if self.rank == 0:
+            self.warn(f"resuming {path} saved at {where(saved[0] or {}, saved[1])} at {where(*ours)}: {what}; "
+                      "per-rank RNG states restart from train.seed")

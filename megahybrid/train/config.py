@@ -100,6 +100,9 @@ class CheckpointSection:
     # Start from these weights (a training checkpoint at any layout, a consolidated or Hugging Face directory)
     # with a fresh optimizer at step 0, unless checkpoint.dir already holds checkpoints to resume.
     init_from: str | None = None
+    # Resuming carries Adam's moments and step, also to another layout or ZeRO stage (resharded); false keeps
+    # the weights, step and data position but restarts the optimizer state (the --model-only choice).
+    load_optimizer: bool = True
 
 
 @dataclass

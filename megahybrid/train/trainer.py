@@ -146,7 +146,7 @@ class Trainer:
                     "another checkpoint.dir (or run_dir)")
             return None
         self.ckpt.check_model(tag, self.plan.model)
-        state = self.ckpt.load(self.engine, tag, self.layout_dict())
+        state = self.ckpt.load(self.engine, tag, self.layout_dict(), self.cfg.checkpoint.load_optimizer)
         self.step = state["step"]
         self.consumed_samples = state["consumed_samples"]
         self.skipped = state["skipped_steps"]
