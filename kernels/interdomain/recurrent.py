@@ -4,6 +4,15 @@ One Triton program per (V tile, batch row, head) walks the T tokens in order and
 U [M, 2, K], the Gamma tile [M, 2, BV] and eta [M, 2] in fp32 registers, so only q_t, k_t, v_t are read and o_t
 written per token, plus the initial state once and the final state once. Every V tile recomputes U (M·K work
 per token, cheap next to the state traffic a split would add); the V tile 0 program alone writes U and eta.
+
+Names (complex values as (re, im) pairs `*r`, `*i`):
+  q, k [B, T, H, K]; v, o [B, T, H, V]   inputs and output; qt, kt, vt: token t's rows, pqk, pvo: their offsets
+  ur, ui [BM, BK]; gr, gi [BM, BV]        the states U and this program's Gamma tile; er, ei [BM]: eta
+  u0 / g0 / e0, uf / gf / ef              initial and final states [B, H, M, 2, K / V] and [B, H, M, 2] fp32
+  lr, li; br, bi [BM]                     lambda and b per mode (padded modes: lambda = 0, b = 0)
+  pr, pi [BM, BM]                         the readout P = C^T conj(C) (HAS_READOUT); ar, ai: the query's a (times P)
+  om, ok, ov / mm, mk, mv                 mode, key and value offsets of the tiles / their masks
+  BM, BK, BV                              tiles (launch_config); NORMALIZE: divide by Re(a conj eta) + eps * sign
 """
 
 import torch
