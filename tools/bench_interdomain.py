@@ -2,11 +2,13 @@
 H = 16, K = V = 128, bf16, next to causal SDPA (flash, cuDNN) and fla's chunk_gated_delta_rule forward.
 
 Also prints the op's dot FLOPs and HBM bytes per token-head (model of the kernels as written) and the floor they
-give at the measured matmul and copy peaks, and the decode step's time per token. Usage:
+give at the measured matmul and copy peaks, and the decode step's time per token. Settings other than the
+defaults run as `InterdomainPlan`s passed to the op (nothing here changes module state). Usage:
 python tools/bench_interdomain.py [--quick] [--only-ours]; `--compile-report` needs no GPU: it compiles every
-chunk.py kernel for sm_90 and prints registers, local memory, shared memory and wgmma / mma counts.
+scan.py and readout.py kernel for sm_90 and prints registers, local memory, shared memory and wgmma / mma counts.
 """
 import argparse
+import dataclasses
 import os
 import re
 import subprocess
@@ -18,15 +20,17 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from kernels.interdomain import chunk as ch  # noqa: E402
-from kernels.interdomain import interdomain_attention, interdomain_step  # noqa: E402
+from kernels.interdomain import DEFAULT_PLAN, interdomain_attention, interdomain_step  # noqa: E402
+from kernels.interdomain import readout as ro  # noqa: E402
+from kernels.interdomain import scan as sc  # noqa: E402
+from kernels.interdomain.chunk import interdomain_bwd, interdomain_fwd  # noqa: E402
 from tools.benchutil import format_table, matmul_peak_tflops, peak_memory_mib, save_results, time_ms  # noqa: E402
 
 TOKENS, H, D = 65536, 16, 128
 
 
 def cost_model(M, K=D, V=D, C=64):
-    """(fwd FLOPs, fwd+bwd FLOPs, fwd bytes, fwd+bwd bytes) per token and head for the kernels in chunk.py.
+    """(fwd FLOPs, fwd+bwd FLOPs, fwd bytes, fwd+bwd bytes) per token and head for the scan and readout kernels.
 
     Tensor-core FLOPs only (2 m n k per dot, per token = per chunk / C; modes padded to BM); bf16 bytes with the
     chunk-boundary states (2 M D per chunk) and the per-token a, da (2 M each) counted once per read or write."""
@@ -48,8 +52,9 @@ def cost_model(M, K=D, V=D, C=64):
     return fwd, fwd + bwd, fwd_b, fwd_b + bwd_b
 
 
-def compile_report(Ms=(32,), warps=(4,)):
-    """Offline sm_90 build of every chunk.py kernel at K = V = 128, C = 64, bf16: resource rows (no GPU needed)."""
+def compile_report(Ms=(32,), warps=(4,), plan=DEFAULT_PLAN):
+    """Offline sm_90 build of every scan / readout kernel at K = V = 128, C = 64, bf16: resource rows (no GPU
+    needed)."""
     import triton
 
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
@@ -72,22 +77,22 @@ def compile_report(Ms=(32,), warps=(4,)):
         print(format_table(rows[-1:]), flush=True)
 
     for M in Ms:
-        # tiles as the GPU runs them (chunk._sizes)
-        bm = max(ch.GPU_MIN_TILE[0], 1 << (M - 1).bit_length())
+        # tiles as the GPU runs them (readout.tiles)
+        bm = max(plan.gpu_min_tile[0], 1 << (M - 1).bit_length())
         common = dict(K=D, V=D, C=64, BM=bm, BK=64, BV=64, PREC="tf32")
         for nw in warps:
-            build(f"fwd M={M}", ch._fwd_kernel, dict(common, STACK=bm < ch.FWD_STACK_BELOW), nw)
-            build(f"bwd_a M={M}", ch._bwd_a_kernel, common, nw)
+            build(f"fwd M={M}", ro._fwd_kernel, dict(common, STACK=bm < plan.fwd_stack_below), nw)
+            build(f"bwd_a M={M}", ro._bwd_a_kernel, common, nw)
             for part in (1, 2, 4):
-                build(f"bwd_part {part} M={M}", ch._bwd_part_kernel, dict(common, PART=part), nw)
+                build(f"bwd_part {part} M={M}", ro._bwd_part_kernel, dict(common, PART=part), nw)
     for bm, bd in ((32, 64), (16, 32)):
         for per_token in (False, True):
             for hoist in (False, True):
                 consts = dict(C=64, BM=bm, BD=bd, PER_TOKEN=per_token, HAS_INIT=True, REV=per_token, PREC="tf32",
                               HOIST=hoist, STORE=True, INTERPRET=False)
                 build(f"scan BM={bm} BD={bd} {'rev per-token' if per_token else 'fwd const-b'}"
-                      f"{' hoist' if hoist else ''}", ch._scan_kernel, consts, 4)
-    build("powers M=32", ch._powers_kernel, dict(C=64, NP=128, BM=32), 4)
+                      f"{' hoist' if hoist else ''}", sc._scan_kernel, consts, 4)
+    build("powers M=32", sc._powers_kernel, dict(C=64, NP=128, BM=32), 4)
     print(format_table(rows))
     return rows
 
@@ -98,7 +103,7 @@ def copy_peak_tbps():
     return 2 * x.numel() / (time_ms(lambda: y.copy_(x)) * 1e-3) / 1e12
 
 
-def _inputs_and_fwd(T, M, C=64):
+def _inputs_and_fwd(T, M, C=64, plan=DEFAULT_PLAN):
     B = TOKENS // T
     g = torch.Generator(device="cuda").manual_seed(0)
     q = torch.rand(B, T, H, D, device="cuda", generator=g).bfloat16().requires_grad_()
@@ -107,72 +112,69 @@ def _inputs_and_fwd(T, M, C=64):
     decay = torch.stack((-torch.rand(H, M, device="cuda") * 0.2, torch.rand(H, M, device="cuda")), -1)
     decay.requires_grad_()
     b = torch.randn(H, M, 2, device="cuda").requires_grad_()
-    return (lambda: interdomain_attention(q, k, v, decay, b, chunk_size=C)[0]), [q, k, v, decay, b]
+    return (lambda: interdomain_attention(q, k, v, decay, b, chunk_size=C, plan=plan)[0]), [q, k, v, decay, b]
 
 
-def ours(T, M, C=64, accumulate=False):
-    fwd, leaves = _inputs_and_fwd(T, M, C)
+def ours(T, M, C=64, accumulate=False, plan=DEFAULT_PLAN):
+    fwd, leaves = _inputs_and_fwd(T, M, C, plan)
     do = torch.randn(TOKENS // T, T, H, D, device="cuda", dtype=torch.bfloat16)
     return _measure(fwd, lambda: torch.autograd.backward(fwd(), do), None if accumulate else leaves)
 
 
 def _launches(T, M, C=64):
-    """One closure per chunk.py kernel launch of fwd+bwd on random inputs: name -> fn(num_warps, **constexprs)."""
-    B, NC = TOKENS // T, T // C
+    """One closure per kernel launch of fwd+bwd on random inputs, each taking the plan to launch with: the readout
+    launches (name -> fn(plan), returning Triton's kernel handle), the scans and the fwd / bwd totals."""
+    B = TOKENS // T
     q, k, v, do = (torch.rand(B, T, H, D, device="cuda").bfloat16() for _ in range(4))
     decay = torch.stack((-torch.rand(H, M, device="cuda") * 0.2, torch.rand(H, M, device="cuda")), -1)
     b = torch.randn(H, M, 2, device="cuda")
-    pw = ch.powers(decay, C)
-    ub, _, _ = ch.scan(k, b, pw, decay, C)
-    gb, _, _ = ch.scan(v, b, pw, decay, C)
+    pw = sc.powers(decay, C)
+    ub, _, _ = sc.scan(k, b, pw, decay, C)
+    gb, _, _ = sc.scan(v, b, pw, decay, C)
     a, da = (q.new_empty(B, T, H, 2, M) for _ in range(2))
-    part = q.new_empty(B, H, NC, 4, M, dtype=torch.float32)
-    rub, _, _ = ch.scan(q, b, pw, decay, C, c=da, rev=True)
-    rgb, _, _ = ch.scan(do, b, pw, decay, C, c=a, rev=True)
-    dq, dk, dv = (torch.empty_like(q) for _ in range(3))
-    sz, grid = ch._sizes(q, v, b), (NC, B * H)
-    stack = sz["BM"] < ch.FWD_STACK_BELOW
-    bwd_args = (q, k, v, do, a, da, ub, gb, rub, rgb, b, pw, dq, dk, dv, part, T, NC, H, M)
-    out = {"fwd": lambda nw, **f: ch._fwd_kernel[grid](q, k, v, ub, gb, b, pw, do, T, NC, H, M, C=C,
-                                                       **{**sz, **f}, STACK=stack, num_warps=nw),
-           "bwd_a": lambda nw, **f: ch._bwd_a_kernel[grid](q, k, v, do, ub, gb, b, pw, a, da, part, T, NC, H, M,
-                                                           C=C, **{**sz, **f}, num_warps=nw)}
-    for key, pt in (("bwd_dq", 1), ("bwd_dk", 2), ("bwd_dv", 4)):
-        out[key] = lambda nw, pt=pt, **f: ch._bwd_part_kernel[grid](*bwd_args, C=C, **{**sz, **f}, PART=pt,
-                                                                   num_warps=nw)
-    fwd_starts = ch.interdomain_fwd(q, k, v, decay, b, chunk_size=C)[3]
-    totals = {"fwd total": lambda: ch.interdomain_fwd(q, k, v, decay, b, chunk_size=C),
-              "bwd total": lambda: ch.interdomain_bwd(q, k, v, decay, b, None, None, do, None, None, C, fwd_starts)}
-    starts = ch.scan(k, b, pw, decay, C)[2]
-    scans = {"scan": lambda: ch.scan(k, b, pw, decay, C),
-             "scan from starts": lambda: ch.scan(k, b, pw, decay, C, starts=starts),
-             "scan rev per-token": lambda: ch.scan(q, b, pw, decay, C, c=da, rev=True)}
+    part = q.new_empty(B, H, T // C, 4, M, dtype=torch.float32)
+    rub, _, _ = sc.scan(q, b, pw, decay, C, c=da, rev=True)
+    rgb, _, _ = sc.scan(do, b, pw, decay, C, c=a, rev=True)
+    o, dq, dk, dv = (torch.empty_like(q) for _ in range(4))
+    grads = dict(a=a, da=da, ub=ub, gb=gb, rub=rub, rgb=rgb, dq=dq, dk=dk, dv=dv, part=part)
+    out = {"fwd": lambda plan: ro.readout_fwd(q, k, v, ub, gb, b, pw, o, C, plan=plan),
+           "bwd_a": lambda plan: ro.readout_bwd_a(q, k, v, do, ub, gb, b, pw, C, a=a, da=da, part=part, plan=plan)}
+    for which in ro.GRAD_PARTS:
+        out[f"bwd_{which}"] = lambda plan, which=which: ro.readout_grad(which, q, k, v, do, b, pw, C, **grads,
+                                                                        plan=plan)
+    fwd_starts = interdomain_fwd(q, k, v, decay, b, chunk_size=C)[3]
+    totals = {"fwd total": lambda plan: interdomain_fwd(q, k, v, decay, b, chunk_size=C, plan=plan),
+              "bwd total": lambda plan: interdomain_bwd(q, k, v, decay, b, None, None, do, None, None, C, fwd_starts,
+                                                        plan=plan)}
+    starts = sc.scan(k, b, pw, decay, C)[2]
+    scans = {"scan": lambda plan: sc.scan(k, b, pw, decay, C, plan=plan),
+             "scan from starts": lambda plan: sc.scan(k, b, pw, decay, C, starts=starts, plan=plan),
+             "scan rev per-token": lambda plan: sc.scan(q, b, pw, decay, C, c=da, rev=True, plan=plan)}
     return out, scans, totals
 
 
-def breakdown(T, M, C=64):
-    """Milliseconds of each chunk.py launch of fwd+bwd at the default settings (the scans segmented and not), and
-    the totals."""
+def breakdown(T, M, C=64, plan=DEFAULT_PLAN):
+    """Milliseconds of each launch of fwd+bwd under `plan` (the scans segmented and not), and the totals."""
     launches, scans, totals = _launches(T, M, C)
-    out = {name: time_ms(lambda fn=fn, name=name: fn(ch.NUM_WARPS[name.split()[0]])) for name, fn in launches.items()}
-    for seg in (ch.SCAN_SEGMENT, 0):
+    out = {name: time_ms(lambda fn=fn: fn(plan)) for name, fn in launches.items()}
+    for seg in (plan.scan_segment, 0):
+        seg_plan = dataclasses.replace(plan, scan_segment=seg)
         for name, fn in scans.items():
             if seg == 0 and name == "scan from starts":
                 continue
-            out[f"{name} segment={seg}"] = _with_attrs(ch, {"SCAN_SEGMENT": seg}, lambda fn=fn: time_ms(fn))
-    out.update({name: time_ms(fn) for name, fn in totals.items()})
+            out[f"{name} segment={seg}"] = time_ms(lambda fn=fn: fn(seg_plan))
+    out.update({name: time_ms(lambda fn=fn: fn(plan)) for name, fn in totals.items()})
     return {k: round(x, 3) for k, x in out.items()}
 
 
-def sweep(T=2048, M=32):
+def sweep(T=2048, M=32, plan=DEFAULT_PLAN):
     """Each launch once more: milliseconds, and the registers and spilled bytes of the GPU's own build (the offline
     --compile-report build differs from it)."""
     rows = []
     launches, _, _ = _launches(T, M)
     for name, fn in launches.items():
-        nw = ch.NUM_WARPS[name.split()[0]]
-        r = {"T": T, "kernel": name, "warps": nw, "ms": round(time_ms(lambda: fn(nw)), 3)}
-        kern = fn(nw)  # Triton returns the compiled kernel it launched
+        r = {"T": T, "kernel": name, "warps": plan.warps(name), "ms": round(time_ms(lambda: fn(plan)), 3)}
+        kern = fn(plan)  # Triton returns the compiled kernel it launched
         rows.append(dict(r, regs=kern.n_regs, spills=kern.n_spills))
     print(format_table(rows), flush=True)
     return rows
@@ -188,28 +190,17 @@ def scan_sweep(M=32, C=64, Ts=(4096, 8192, 16384, 65536)):
         c = torch.rand(B, T, H, 2, M, device="cuda").bfloat16()
         decay = torch.stack((-torch.rand(H, M, device="cuda") * 0.2, torch.rand(H, M, device="cuda")), -1)
         b = torch.randn(H, M, 2, device="cuda")
-        pw = ch.powers(decay, C)
+        pw = sc.powers(decay, C)
         for seg in (0, 8, 16, 32, 64):
             for tile in ((32, 64), (32, 32), (16, 64)):
-                plan = {"SCAN_TILE": tile, "SCAN_SEGMENT": seg, "SCAN_SEGMENT_BELOW": 1 << 30, "SCAN_SEGMENT_ABOVE": 0}
-                const = _with_attrs(ch, plan, lambda: time_ms(lambda: ch.scan(z, b, pw, decay, C)))
-                rev = _with_attrs(ch, plan, lambda: time_ms(lambda: ch.scan(z, b, pw, decay, C, c=c, rev=True)))
+                plan = dataclasses.replace(DEFAULT_PLAN, scan_tile=tile, scan_segment=seg,
+                                           scan_segment_below=1 << 30, scan_segment_above=0)
+                const = time_ms(lambda: sc.scan(z, b, pw, decay, C, plan=plan))
+                rev = time_ms(lambda: sc.scan(z, b, pw, decay, C, c=c, rev=True, plan=plan))
                 rows.append({"T": T, "seg": seg, "tile": f"{tile[0]}x{tile[1]}", "const_ms": round(const, 3),
                              "rev_ms": round(rev, 3)})
     print(format_table(rows), flush=True)
     return rows
-
-
-def _with_attrs(obj, values: dict, fn):
-    """fn() with obj's attributes set to `values`, restored afterwards."""
-    saved = {name: getattr(obj, name) for name in values}
-    for name, value in values.items():
-        setattr(obj, name, value)
-    try:
-        return fn()
-    finally:
-        for name, value in saved.items():
-            setattr(obj, name, value)
 
 
 def _measure(fwd, fb, leaves=None):
@@ -279,13 +270,14 @@ def jobs_for(Ts, only_ours):
     jobs = [("interdomain C=64", T, 32, lambda T=T: ours(T, 32)) for T in Ts]
     jobs += [("breakdown", T, 32, lambda T=T: breakdown(T, 32)) for T in (2048, 65536)]
     # the previous build: every tile padded to 64 (the plain forward)
-    wide = lambda T: _with_attrs(ch, {"GPU_MIN_TILE": (64, 64)}, lambda: ours(T, 32))  # noqa: E731
-    jobs += [("interdomain C=64 64-mode tiles", T, 32, lambda T=T: wide(T)) for T in Ts if T in (2048, 8192)]
+    wide = dataclasses.replace(DEFAULT_PLAN, gpu_min_tile=(64, 64))
+    jobs += [("interdomain C=64 64-mode tiles", T, 32, lambda T=T: ours(T, 32, plan=wide))
+             for T in Ts if T in (2048, 8192)]
     jobs += [("interdomain C=64 grads accumulated", 2048, 32, lambda: ours(2048, 32, accumulate=True))]
-    jobs += [("breakdown 64-mode tiles", 2048, 32,
-              lambda: _with_attrs(ch, {"GPU_MIN_TILE": (64, 64)}, lambda: breakdown(2048, 32)))]
-    unseg = lambda T: _with_attrs(ch, {"SCAN_SEGMENT": 0}, lambda: ours(T, 32))  # noqa: E731
-    jobs += [("interdomain C=64 unsegmented scans", T, 32, lambda T=T: unseg(T)) for T in Ts if T >= 65536]
+    jobs += [("breakdown 64-mode tiles", 2048, 32, lambda: breakdown(2048, 32, plan=wide))]
+    unseg = dataclasses.replace(DEFAULT_PLAN, scan_segment=0)
+    jobs += [("interdomain C=64 unsegmented scans", T, 32, lambda T=T: ours(T, 32, plan=unseg))
+             for T in Ts if T >= 65536]
     jobs += [("interdomain C=64", T, 64, lambda T=T: ours(T, 64)) for T in Ts]
     if not only_ours:
         jobs += [(f"sdpa-{be}", T, "-", lambda T=T, be=be: sdpa(T, be)) for be in ("flash", "cudnn") for T in Ts]
@@ -315,7 +307,8 @@ def main():
     ap.add_argument("--quick", action="store_true", help="T in {2K, 8K} only")
     ap.add_argument("--budget-s", type=float, default=170.0, help="skip the remaining rows after this many seconds")
     ap.add_argument("--only-ours", action="store_true", help="skip the SDPA and fla rows")
-    ap.add_argument("--compile-report", action="store_true", help="offline sm_90 resources of chunk.py (no GPU)")
+    ap.add_argument("--compile-report", action="store_true",
+                    help="offline sm_90 resources of the scan and readout kernels (no GPU)")
     ap.add_argument("--scan-sweep", action="store_true", help="scan time against segment length and state tile")
     ap.add_argument("--sweep", action="store_true", help="each launch with the GPU build's registers and spills")
     ap.add_argument("--once", action="store_true", help="one fwd+bwd at T = 2K, M = 32 (profile_interdomain.sh)")
@@ -356,7 +349,7 @@ def main():
     extra["decode step us, call and graph replay (B=1, 16, 128; M=32)"] = [decode_step(B, 32) for B in (1, 16, 128)]
     more_rows, more = model_rows()
     rows += more_rows
-    extra.update(more, num_warps=dict(ch.NUM_WARPS),
+    extra.update(more, plan=dataclasses.asdict(DEFAULT_PLAN),
                  shape=f"B*T={TOKENS}, H={H}, K=V={D}, bf16; model rows = max(FLOP, byte) floor per token-head")
     print(format_table(rows))
     print(extra)

@@ -1,8 +1,8 @@
 """Which Interdomain kernels run correctly on this GPU with tiles narrower than 64 (issue #3).
 
 Triton 3.6 on the H200 builds some narrow-tile variants wrongly, silently or with an illegal address (the plain
-forward at 32-mode tiles, the dq / dk / dv kernels at 32-wide feature tiles), so `chunk.GPU_MIN_TILE` and
-`chunk.FWD_STACK_BELOW` keep the kernels off them. This probe launches each chunk.py readout kernel (the forward in
+forward at 32-mode tiles, the dq / dk / dv kernels at 32-wide feature tiles), so `InterdomainPlan.gpu_min_tile`
+and `.fwd_stack_below` keep the kernels off them. This probe launches each readout.py kernel (the forward in
 both forms) alone with a mode tile BM and a feature tile BD of 32 or 64, each in its own process (a fault poisons
 the CUDA context), and compares its outputs with the same launch at 64-wide tiles (relative RMS); then, one process
 at a time (the builds are cached by then), times the variants that passed. Run it again on a new Triton or GPU
@@ -27,7 +27,8 @@ def launch_all(kernel, bm, bd, timed=False):
     import triton
 
     sys.path.insert(0, str(ROOT))
-    from kernels.interdomain import chunk as ch
+    from kernels.interdomain import readout as ch
+    from kernels.interdomain.scan import powers, scan
 
     B, T, H, D, M, C = 2, 1000, 3, 128, 32, 64
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -36,17 +37,17 @@ def launch_all(kernel, bm, bd, timed=False):
                                                                                   generator=g)), -1)
     b = torch.randn(H, M, 2, device="cuda", generator=g) / M**0.5
     NC = triton.cdiv(T, C)
-    pw = ch.powers(decay, C)
-    ub, _, _ = ch.scan(k, b, pw, decay, C)
-    gb, _, _ = ch.scan(v, b, pw, decay, C)
+    pw = powers(decay, C)
+    ub, _, _ = scan(k, b, pw, decay, C)
+    gb, _, _ = scan(v, b, pw, decay, C)
     a, da = (q.new_zeros(B, T, H, 2, M) for _ in range(2))
     part = q.new_zeros(B, H, NC, 4, M, dtype=torch.float32)
-    wide = dict(ch._sizes(q, v, b), BM=64, BK=64, BV=64)
+    wide = dict(ch.tiles(q, v, b), BM=64, BK=64, BV=64)
     sizes = dict(wide, BM=bm, BK=bd, BV=bd)
     grid = (NC, B * H)
     ch._bwd_a_kernel[grid](q, k, v, do, ub, gb, b, pw, a, da, part, T, NC, H, M, C=C, **wide)
-    rub, _, _ = ch.scan(q, b, pw, decay, C, c=da, rev=True)
-    rgb, _, _ = ch.scan(do, b, pw, decay, C, c=a, rev=True)
+    rub, _, _ = scan(q, b, pw, decay, C, c=da, rev=True)
+    rgb, _, _ = scan(do, b, pw, decay, C, c=a, rev=True)
     if kernel.startswith("fwd"):
         outs = {"o": torch.zeros_like(v)}
         fn = lambda: ch._fwd_kernel[grid](q, k, v, ub, gb, b, pw, outs["o"], T, NC, H, M, C=C, **sizes,  # noqa

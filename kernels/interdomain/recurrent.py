@@ -4,14 +4,27 @@ One Triton program per (V tile, batch row, head) walks the T tokens in order and
 U [M, 2, K], the Gamma tile [M, 2, BV] and eta [M, 2] in fp32 registers, so only q_t, k_t, v_t are read and o_t
 written per token, plus the initial state once and the final state once. Every V tile recomputes U (M·K work
 per token, cheap next to the state traffic a split would add); the V tile 0 program alone writes U and eta.
+
+Names (complex values as (re, im) pairs `*r`, `*i`):
+  q, k [B, T, H, K]; v, o [B, T, H, V]   inputs and output; qt, kt, vt: token t's rows, pqk, pvo: their offsets
+  ur, ui [BM, BK]; gr, gi [BM, BV]        the states U and this program's Gamma tile; er, ei [BM]: eta
+  u0 / g0 / e0, uf / gf / ef              initial and final states [B, H, M, 2, K / V] and [B, H, M, 2] fp32
+  lr, li; br, bi [BM]                     lambda and b per mode (padded modes: lambda = 0, b = 0)
+  pr, pi [BM, BM]                         the readout P = C^T conj(C) (HAS_READOUT); ar, ai: the query's a (times P)
+  om, ok, ov / mm, mk, mv                 mode, key and value offsets of the tiles / their masks
+  BM, BK, BV                              tiles (launch_config); NORMALIZE: divide by Re(a conj eta) + eps * sign
 """
 
 import torch
 import triton
 import triton.language as tl
 
-from .chunk import _interpret
+from kernels._triton import interpreting
+
+from .checks import check_inputs
+from .chunk import interdomain_attention
 from .naive import EPS
+from .utils import DEFAULT_PLAN, InterdomainPlan, readout_p, uses_torch_path
 
 
 @triton.jit
@@ -101,11 +114,6 @@ def _fused_recurrent_fwd_kernel(q_ptr, k_ptr, v_ptr, decay_ptr, b_ptr, u0_ptr, g
                 tl.store(ef_ptr + pe + 1, ei, mask=mm)
 
 
-# the fused kernel applies the readout (a P per token, P [M, M] complex in registers); False: a readout decodes on
-# the chunk op's torch path instead
-FUSED_READOUT = True
-
-
 def launch_config(B, H, M, K, V, block_v=None):
     """Block sizes and warps: V tiles shrink (down to 16) until B·H·tiles fills ~128 SMs; warps keep the fp32
     state near 64 registers per thread."""
@@ -132,28 +140,26 @@ def interdomain_recurrent_fwd(q, k, v, decay, b, initial_state, normalize, outpu
     init = [s.contiguous() for s in initial_state] if initial_state is not None else [uf, gf, ef]
     e0 = init[2] if normalize else init[0]
     grid = (triton.cdiv(V, cfg["BV"]), B * H)
-    extra = {}
-    if readout is not None:
-        from . import _readout_p
-
-        p = _readout_p(readout)
-        extra = dict(HAS_READOUT=True)
-    _fused_recurrent_fwd_kernel[grid](q, k, v, decay.contiguous(), b.contiguous(), init[0], init[1], e0,
-                                      p if readout is not None else e0, o, uf, gf, ef, T, H, M, K, V, EPS,
+    p = readout_p(readout) if readout is not None else e0
+    _fused_recurrent_fwd_kernel[grid](q_ptr=q, k_ptr=k, v_ptr=v, decay_ptr=decay.contiguous(), b_ptr=b.contiguous(),
+                                      u0_ptr=init[0], g0_ptr=init[1], e0_ptr=e0, p_ptr=p, o_ptr=o, uf_ptr=uf,
+                                      gf_ptr=gf, ef_ptr=ef, T=T, H=H, M=M, K=K, V=V, eps=EPS,
                                       HAS_INIT=initial_state is not None, NORMALIZE=normalize,
-                                      STORE_FINAL=output_final_state, INTERPRET=_interpret(), **cfg, **extra)
+                                      STORE_FINAL=output_final_state, INTERPRET=interpreting(),
+                                      HAS_READOUT=readout is not None, **cfg)
     if not output_final_state:
         return o, None
     return o, (uf, gf, ef) if normalize else (uf, gf)
 
 
-def interdomain_recurrent(q, k, v, decay, b, initial_state=None, normalize=None, readout=None):
+def interdomain_recurrent(q, k, v, decay, b, initial_state=None, normalize=None, readout=None,
+                          plan: InterdomainPlan | None = None):
     """Interdomain Attention for short prompts and decoding, token by token in one fused kernel.
 
     Forward only: under grad mode with any input requiring grad the call goes to the differentiable chunk op
     `interdomain_attention` (same definition, same results within fp32 rounding). On a CPU tensor outside the
     Triton interpreter the chunk op's torch path runs instead of the fused kernel (one chunk of T tokens for
-    T <= 64). A readout is applied in the kernel (a P per token) unless FUSED_READOUT is off.
+    T <= 64). A readout is applied in the kernel (a P per token) unless plan.fused_readout is off.
 
     Args:
         q, k: [B, T, H, K]; v: [B, T, H, V] (fp32, bf16 or fp16, one dtype); decay, b: [H, M, 2] fp32.
@@ -161,19 +167,18 @@ def interdomain_recurrent(q, k, v, decay, b, initial_state=None, normalize=None,
             for the normalized readout.
         normalize: the normalized readout; None means "initial_state has eta".
         readout: C [H, M, M, 2] fp32 or None (identity), as in `interdomain_attention`.
+        plan: tuning knobs (None: DEFAULT_PLAN), passed on to the chunk op where it runs.
     Returns:
         o [B, T, H, V] in v's dtype and the final state in initial_state's layout.
     """
-    # imported here: the package's __init__ imports this module
-    from . import check_inputs, interdomain_attention, uses_torch_path
-
+    plan = plan or DEFAULT_PLAN
     if normalize is None:
         normalize = initial_state is not None and len(initial_state) == 3
     check_inputs(q, k, v, decay, b, initial_state, normalize, 64, readout)
     inputs = [q, k, v, decay, b, *(initial_state or ()), *([readout] if readout is not None else [])]
-    torch_path = uses_torch_path(q) or (readout is not None and not FUSED_READOUT)
+    torch_path = uses_torch_path(q) or (readout is not None and not plan.fused_readout)
     if torch_path or (torch.is_grad_enabled() and any(t.requires_grad for t in inputs)):
-        return interdomain_attention(q, k, v, decay, b, initial_state, True, normalize, readout=readout)
+        return interdomain_attention(q, k, v, decay, b, initial_state, True, normalize, readout=readout, plan=plan)
     return interdomain_recurrent_fwd(q, k, v, decay, b, initial_state, normalize, readout=readout)
 
 

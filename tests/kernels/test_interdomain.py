@@ -1,10 +1,12 @@
 """Interdomain Attention: Triton chunk kernels vs the fp32 naive definition (CPU: interpreter, fp32)."""
+import dataclasses
 import re
 
 import pytest
 import torch
 
-from kernels.interdomain import interdomain_attention, interdomain_recurrent, interdomain_step
+from kernels.interdomain import (DEFAULT_PLAN, InterdomainPlan, interdomain_attention, interdomain_recurrent,
+                                 interdomain_step)
 from kernels.interdomain.naive import interdomain_attention_naive
 from tests.utils import assert_close, rel_rms_error, requires_gpu, test_device
 
@@ -123,29 +125,23 @@ def test_step_repeated_equals_chunk(normalize):
 
 
 @pytest.fixture(params=[True, False], ids=["all-hoisted", "none-hoisted"])
-def scan_hoist(monkeypatch, request):
-    """Both scan loops for both scan kinds (the default hoists every scan)."""
-    from kernels.interdomain import chunk
-
-    monkeypatch.setattr(chunk, "SCAN_HOIST", {"const": request.param, "per_token": request.param})
+def scan_hoist(request):
+    """A plan with both scan loops for both scan kinds (the default hoists every scan)."""
+    return InterdomainPlan(hoist_const=request.param, hoist_per_token=request.param)
 
 
 @pytest.mark.parametrize("T,C,init", [(63, 64, True), (64, 64, False), (100, 32, True), (300, 64, True)])
 def test_scan_loops_match_naive(nan_empty, scan_hoist, T, C, init):
     """Hoisted full-chunk tables and the plain loop: no full chunk, only full chunks, a partial one."""
     inputs = make_inputs(1, T, 2, 16, 24, 8, init=init, strong=T == 300)
-    compare(inputs, FP32_TOL, chunk_size=C)
+    compare(inputs, FP32_TOL, chunk_size=C, plan=scan_hoist)
 
 
 @pytest.fixture(params=[True, False], ids=["hoisted", "plain"])
-def segmented(monkeypatch, request):
-    """Every scan in segments of two chunks (the GPU cuts only long sequences, in segments of 32 chunks)."""
-    from kernels.interdomain import chunk
-
-    monkeypatch.setattr(chunk, "SCAN_SEGMENT", 2)
-    monkeypatch.setattr(chunk, "SCAN_SEGMENT_BELOW", 1 << 30)
-    monkeypatch.setattr(chunk, "SCAN_SEGMENT_ABOVE", 0)
-    monkeypatch.setattr(chunk, "SCAN_HOIST", {"const": request.param, "per_token": request.param})
+def segmented(request):
+    """A plan with every scan in segments of two chunks (the GPU cuts only long sequences, in segments of 32)."""
+    return InterdomainPlan(scan_segment=2, scan_segment_below=1 << 30, scan_segment_above=0,
+                           hoist_const=request.param, hoist_per_token=request.param)
 
 
 @pytest.mark.parametrize("T,C,init,normalize,strong", [
@@ -158,40 +154,38 @@ def test_segmented_scans_match_naive(nan_empty, segmented, T, C, init, normalize
     """Output, final state and every gradient (the reverse scans segmented too) with the state carried across
     segments by _carry_kernel, and the backward recomputing the forward's states from its segment starts."""
     inputs = make_inputs(1, T, 2, 16, 24, 8, init=init, normalize=normalize, strong=strong)
-    compare(inputs, FP32_TOL, chunk_size=C, normalize=normalize)
+    compare(inputs, FP32_TOL, chunk_size=C, normalize=normalize, plan=segmented)
 
 
 @pytest.fixture(params=["plain", "stacked"])
-def fwd_form(monkeypatch, request):
-    """The forward kernel in one form at every mode tile (chunk.FWD_STACK_BELOW otherwise picks by tile width)."""
-    from kernels.interdomain import chunk
-
-    monkeypatch.setattr(chunk, "FWD_STACK_BELOW", 1 << 20 if request.param == "stacked" else 0)
-    return request.param
+def fwd_form(request):
+    """A plan with the forward kernel in one form at every mode tile (plan.fwd_stack_below otherwise picks by
+    tile width)."""
+    return InterdomainPlan(fwd_stack_below=1 << 20 if request.param == "stacked" else 0)
 
 
 @pytest.mark.parametrize("T,M,normalize", [(100, 8, True), (300, 32, False), (64, 24, False), (70, 64, False)])
 def test_fwd_forms_match_naive(nan_empty, fwd_form, T, M, normalize):
     """The forward with its mode products plain or on stacked real / imaginary operands, also with padded modes
     (M = 24 in a 32-mode tile)."""
-    compare(make_inputs(1, T, 2, 16, 24, M, normalize=normalize), FP32_TOL, normalize=normalize)
+    compare(make_inputs(1, T, 2, 16, 24, M, normalize=normalize), FP32_TOL, normalize=normalize, plan=fwd_form)
 
 
 def test_scan_from_segment_starts(segmented):
     """A scan given an earlier scan's segment starts (the backward's recomputation) stores the same states; starts
     of another segmentation are refused."""
-    from kernels.interdomain import chunk
+    from kernels.interdomain.scan import powers, scan
 
     q, k, v, decay, b, u0, _ = make_inputs(2, 300, 2, 16, 24, 8)
-    pw = chunk.powers(decay, 32)
+    pw = powers(decay, 32)
     x0 = u0.transpose(2, 3).contiguous()
-    xb, last, starts = chunk.scan(k, b, pw, decay, 32, x0=x0)
+    xb, last, starts = scan(k, b, pw, decay, 32, x0=x0, plan=segmented)
     assert starts is not None and last is not None
-    again, none, same = chunk.scan(k, b, pw, decay, 32, x0=x0, starts=starts)
+    again, none, same = scan(k, b, pw, decay, 32, x0=x0, starts=starts, plan=segmented)
     assert none is None and same is starts
     assert torch.equal(again, xb)
     with pytest.raises(RuntimeError, match="do not fit"):
-        chunk.scan(k, b, pw, decay, 32, x0=x0, starts=starts[:, :, :2])
+        scan(k, b, pw, decay, 32, x0=x0, starts=starts[:, :, :2], plan=segmented)
 
 
 def _bad(**over):
@@ -237,7 +231,7 @@ def test_chunk_matches_naive_gpu_bf16(nan_empty, T, M, normalize):
 @pytest.mark.gpu
 @requires_gpu
 def test_small_head_dims_gpu_bf16(nan_empty):
-    """K, V below one 64-wide feature tile and M = 16: the GPU pads both tiles (chunk._sizes)."""
+    """K, V below one 64-wide feature tile and M = 16: the GPU pads both tiles (readout.tiles)."""
     compare(make_inputs(2, 100, 3, 32, 48, 16, dtype=torch.bfloat16), BF16_TOL, BF16_GRAD_TOL)
 
 
@@ -252,29 +246,25 @@ def test_strong_decay_gpu_bf16(nan_empty):
 @requires_gpu
 @pytest.mark.parametrize("T,M", [(300, 32), (1000, 64)])
 def test_hoisted_scan_gpu_bf16(nan_empty, scan_hoist, T, M):
-    compare(make_inputs(2, T, 3, 128, 128, M, dtype=torch.bfloat16), BF16_TOL, BF16_GRAD_TOL)
+    compare(make_inputs(2, T, 3, 128, 128, M, dtype=torch.bfloat16), BF16_TOL, BF16_GRAD_TOL, plan=scan_hoist)
 
 
 @pytest.mark.gpu
 @requires_gpu
-def test_stacked_forward_at_64_modes_gpu_bf16(nan_empty, monkeypatch):
-    """The stacked forward at a 64-mode tile (by default it runs at 32 and the plain one at 64: FWD_STACK_BELOW)."""
-    from kernels.interdomain import chunk
-
-    monkeypatch.setattr(chunk, "FWD_STACK_BELOW", 128)
-    compare(make_inputs(2, 1000, 3, 128, 128, 64, dtype=torch.bfloat16), BF16_TOL, BF16_GRAD_TOL)
+def test_stacked_forward_at_64_modes_gpu_bf16(nan_empty):
+    """The stacked forward at a 64-mode tile (by default it runs at 32 and the plain one at 64: fwd_stack_below)."""
+    compare(make_inputs(2, 1000, 3, 128, 128, 64, dtype=torch.bfloat16), BF16_TOL, BF16_GRAD_TOL,
+            plan=InterdomainPlan(fwd_stack_below=128))
 
 
 @pytest.mark.gpu
 @requires_gpu
-def test_segmented_scans_gpu_bf16(nan_empty, monkeypatch):
+def test_segmented_scans_gpu_bf16(nan_empty):
     """The long-sequence scan path (segments of 32 chunks, few rows) at T = 4200: 3 segments, a partial chunk."""
-    from kernels.interdomain import chunk
-
-    assert chunk.SCAN_SEGMENT == 32
-    monkeypatch.setattr(chunk, "SCAN_SEGMENT_ABOVE", 32)  # 66 chunks: segmented like a long sequence
+    assert DEFAULT_PLAN.scan_segment == 32
+    plan = dataclasses.replace(DEFAULT_PLAN, scan_segment_above=32)  # 66 chunks: segmented like a long sequence
     inputs = make_inputs(1, 4200, 2, 128, 128, 32, dtype=torch.bfloat16, init=True)
-    compare(inputs, BF16_TOL, BF16_GRAD_TOL)
+    compare(inputs, BF16_TOL, BF16_GRAD_TOL, plan=plan)
 
 
 # Fused recurrent kernel (recurrent.py): forward only, decoding and short prompts

@@ -108,19 +108,16 @@ def test_readout_kernels_match_naive(nan_empty, T, M, K, V, C, normalize):
 
 
 def test_dispatch(monkeypatch):
-    from kernels.interdomain import chunk
-
     q, c = torch.zeros(1, 1, 1, 1), torch.zeros(1)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert not uses_torch_path(q) and not uses_torch_path(q, readout=c)
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     assert uses_torch_path(q) and uses_torch_path(q, readout=c)
-    assert chunk.READOUT_ON_GPU
+    assert interdomain.DEFAULT_PLAN.readout_on_gpu
     if torch.cuda.is_available():
         assert not uses_torch_path(q.cuda()) and not uses_torch_path(q.cuda(), readout=c)
         assert uses_torch_path(q.cuda(), readout=c, normalize=True)
-        monkeypatch.setattr(chunk, "READOUT_ON_GPU", False)
-        assert uses_torch_path(q.cuda(), readout=c)
+        assert uses_torch_path(q.cuda(), readout=c, plan=interdomain.InterdomainPlan(readout_on_gpu=False))
 
 
 @pytest.mark.parametrize("normalize", [False, True])
@@ -232,11 +229,10 @@ def interdomain_torch_fp32(torch_chunk, q, k, v, decay, b, initial_state, output
 
 
 @pytest.fixture(params=["torch", "kernels"])
-def gpu_readout(monkeypatch, request):
-    """A readout on the GPU through the torch path (the default) or the chunk kernels (chunk.READOUT_ON_GPU)."""
-    from kernels.interdomain import chunk
-
-    monkeypatch.setattr(chunk, "READOUT_ON_GPU", request.param == "kernels")
+def gpu_readout(request):
+    """A plan sending a readout on the GPU through the torch path or the chunk kernels (plan.readout_on_gpu, on
+    by default)."""
+    return interdomain.InterdomainPlan(readout_on_gpu=request.param == "kernels")
 
 
 @pytest.mark.gpu
@@ -246,7 +242,7 @@ def test_readout_gpu_bf16(nan_empty, gpu_readout, T, M, normalize):
     """The readout on the GPU, bf16 inputs, against naive.py in fp32."""
     inputs = make_inputs(2, T, 3, 64, 64, M, dtype=torch.bfloat16, normalize=normalize, device="cuda")
     compare_readout(inputs, make_readout(3, M, normalize, device="cuda"), BF16_TOL, BF16_GRAD_TOL,
-                    normalize=normalize)
+                    normalize=normalize, plan=gpu_readout)
 
 
 @pytest.mark.gpu
@@ -254,7 +250,7 @@ def test_readout_gpu_bf16(nan_empty, gpu_readout, T, M, normalize):
 @pytest.mark.parametrize("T,M", [(300, 32), (200, 64)])
 def test_readout_gpu_fp32(nan_empty, gpu_readout, T, M):
     inputs = make_inputs(2, T, 3, 64, 64, M, device="cuda")
-    compare_readout(inputs, make_readout(3, M, device="cuda"), FP32_TOL)
+    compare_readout(inputs, make_readout(3, M, device="cuda"), FP32_TOL, plan=gpu_readout)
 
 
 @pytest.mark.parametrize("path", ["torch", "interpreter"])

@@ -1,0 +1,119 @@
+"""What the Interdomain modules share: the tuning plan, the readout's P, where a call runs, and the two Triton
+helpers (complex product, power-table read) that both the scans and the readout kernels use."""
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels._triton import interpreting, use_torch_path
+
+
+@dataclass(frozen=True)
+class InterdomainPlan:
+    """Tuning knobs of the chunk kernels, defaulted from what was measured on the H200 (pass another plan to
+    `interdomain_attention(plan=...)` to sweep them; nothing here changes what the op computes).
+
+    warps_*: 4 everywhere. 8 warps measured slower for the whole op (17.1 vs 14.3 ms at 8K,
+    interdomain-v2-2026-11-30.md) and for every kernel alone (interdomain-sweep-2026-11-30.md: fwd 1.92 vs 1.13 ms,
+    bwd_a 4.77 vs 2.56, dq / dk / dv 1.14 / 1.91 / 1.91 vs 0.62 / 1.32 / 1.32); capping registers at 128 or 168 per
+    thread spilled more (22.4, 18.1 ms).
+
+    hoist_const, hoist_per_token: scans with the full-chunk decay tables hoisted out of the chunk loop and the next
+    chunk's features (and per-token coefficients) loaded one chunk ahead. Measured (ms per scan, M = 32, T = 2K /
+    64K unsegmented): per-token reverse 0.315 / 1.437 plain, 0.260 / 0.931 hoisted; constant-b forward 0.239 /
+    0.686 plain, 0.194 / 0.838 hoisted: hoisting lost only on 1024-chunk loops, which segmented scans no longer run.
+
+    gpu_min_tile: smallest (mode, feature) tiles of the readout kernels on the GPU. Triton 3.6 on sm_90 builds the
+    dq, dk and dv kernels with 32-wide feature tiles wrongly (tools/results/interdomain-tile-probe-2026-11-30.md:
+    relative RMS 1.2-4.7 against 64-wide tiles; illegal addresses in earlier builds), so features pad (masked) to 64.
+    32-mode tiles run correctly in every kernel but the plain forward (relative RMS 3.6; an illegal address on Triton
+    3.5.1) and save registers at M = 32: bwd_a 0.023 against 0.032 ms, dk 0.016 / 0.022, dv 0.016 / 0.022, dq
+    0.013 / 0.013 in the probe; full-size numbers in kernels/interdomain/README.md.
+
+    fwd_stack_below: the forward with a mode tile narrower than this takes its products over the modes on operands
+    of 2 BM interleaved real / imaginary columns (readout.py STACK), which builds correctly at BM = 32 and ran faster
+    than the plain forward padded to 64 modes (0.017 against 0.019 ms); at 64 modes the plain one is faster (0.019
+    against 0.021 ms stacked). Stacked bwd_a / dq ran no faster than plain 32-mode tiles (0.025 / 0.012 ms) and the
+    stacked dk / dv did not build on the GPU, so the backward has no stacked form.
+
+    scan_segment, scan_segment_below, scan_segment_above: scans over fewer than scan_segment_below (b, h, state
+    tile) rows and more than scan_segment_above chunks run in segments of scan_segment chunks (0: never). Measured
+    at B*T = 64K, H = 16, D = 128, M = 32: one const / per-token reverse scan at 64K tokens per row 0.81 / 0.86 ms
+    unsegmented, 0.36 / 0.47 in segments of 32 (0.20 for the backward's const scans from the forward's starts); at
+    8K unsegmented with narrower tiles 0.26 / 0.37 against 0.33 / 0.45 (interdomain-scan-sweep-2026-11-30.md). The
+    whole op forward+backward, segmenting above 64 / 128 / 256 / 512 chunks: 8K 6.39 / 6.22 / 6.22 / 6.22 ms, 16K
+    6.40 / 6.40 / 6.77 / 6.78, 32K 6.43 / 6.43 / 6.43 / 7.30.
+
+    scan_tile: a scan's (mode, feature) state tile per program, before narrowing for few rows.
+
+    readout_on_gpu: the readout kernels (_fwd_mixed_kernel, _bwd_a_mixed_kernel) passed the H200 tests against the
+    fp32 reference (fp32 and bf16, forward and every gradient) except bf16 with the normalized readout, where dq was
+    4.2e-2 off (tolerance 4e-2; the torch path passed): a normalized readout on the GPU takes the torch path
+    (`uses_torch_path`). Off: every readout on the GPU takes the torch path.
+
+    fused_readout: the fused recurrent kernel applies the readout (a P per token, P [M, M] complex in registers);
+    off, a readout decodes on the chunk op's torch path instead.
+    """
+
+    warps_scan: int = 4
+    warps_fwd: int = 4
+    warps_bwd_a: int = 4
+    warps_bwd_dq: int = 4
+    warps_bwd_dk: int = 4
+    warps_bwd_dv: int = 4
+    hoist_const: bool = True
+    hoist_per_token: bool = True
+    gpu_min_tile: tuple = (32, 64)
+    fwd_stack_below: int = 64
+    scan_segment: int = 32
+    scan_segment_below: int = 512
+    scan_segment_above: int = 128
+    scan_tile: tuple = (32, 64)
+    readout_on_gpu: bool = True
+    fused_readout: bool = True
+
+    def warps(self, launch: str) -> int:
+        """num_warps of one launch kind: scan, fwd, bwd_a, bwd_dq, bwd_dk or bwd_dv."""
+        return getattr(self, f"warps_{launch}")
+
+
+DEFAULT_PLAN = InterdomainPlan()
+
+
+def dot_precision(t: torch.Tensor) -> str:
+    """tl.dot input precision for t's dtype. fp32 on the GPU: 3xTF32 keeps ~1e-6 relative error on tensor cores;
+    full-FMA "ieee" dots take minutes to build (the interpreter takes them as they are)."""
+    if t.dtype != torch.float32:
+        return "tf32"
+    return "ieee" if interpreting() else "tf32x3"
+
+
+def uses_torch_path(q, readout=None, normalize=False, plan: InterdomainPlan = DEFAULT_PLAN):
+    """True where the op runs torch_chunk.py instead of the Triton kernels: a CPU tensor outside the Triton
+    interpreter, or on the GPU a readout while plan.readout_on_gpu is off or together with the normalized readout
+    (InterdomainPlan says why)."""
+    if q.device.type == "cpu":
+        return use_torch_path(q)
+    return readout is not None and (not plan.readout_on_gpu or normalize)
+
+
+def readout_p(readout):
+    """P = C^T conj(C) [H, M, M, 2] (re, im) for the kernels, differentiable in C; None stays None."""
+    if readout is None:
+        return None
+    c = torch.complex(readout[..., 0], readout[..., 1])
+    return torch.view_as_real(torch.einsum("hmn,hmk->hnk", c, c.conj())).contiguous()
+
+
+@triton.jit
+def cmul(ar, ai, br, bi):
+    """(ar + i ai)(br + i bi) as (re, im)."""
+    return ar * br - ai * bi, ar * bi + ai * br
+
+
+@triton.jit
+def lam_pow(pw, n, om, mm, M):
+    """lam^n (re, im) from one head's [C + 1, 2, M] table; n and om broadcast against each other."""
+    p = pw + n * 2 * M + om
+    return tl.load(p, mask=mm, other=0.0), tl.load(p + M, mask=mm, other=0.0)
