@@ -82,7 +82,7 @@ class Trainer:
         self.init_source = self._init_weights(resume)
         self.engine, self.optimizer, self.ds_config = build_engine(
             self.model, self.cfg, self.groups, plan.ds_base, plan.precision)
-        self.compiled = resolved_compile(self.cfg, torch.cuda.is_available())
+        self.compiled = resolved_compile(self.cfg, torch.cuda.is_available(), plan.model.pattern)
         if self.compiled:
             self.engine.compile()
         self.gas = self.engine.gradient_accumulation_steps()

@@ -562,7 +562,8 @@ def _state_floats(cfg, s4d: bool) -> int:
 INTERDOMAIN = Mixer("I", "Interdomain attention", interdomain_spec, lambda cfg: sum(_counts(cfg, False).values()),
                     lambda cfg: _flops(cfg, False), lambda cfg, context: _state_floats(cfg, False),
                     chunk_size=CHUNK, cp=True, cp_bytes=lambda cfg, cp, nbytes: _cp_bytes(cfg, cp, nbytes, False),
-                    cache="conv tails + Interdomain state")
+                    cache="conv tails + Interdomain state", gpu_compile=False)
 S4D = Mixer("D", "S4D", s4d_spec, lambda cfg: sum(_counts(cfg, True).values()), lambda cfg: _flops(cfg, True),
             lambda cfg, context: _state_floats(cfg, True), chunk_size=CHUNK, cp=True,
-            cp_bytes=lambda cfg, cp, nbytes: _cp_bytes(cfg, cp, nbytes, True), cache="conv tails + S4D state")
+            cp_bytes=lambda cfg, cp, nbytes: _cp_bytes(cfg, cp, nbytes, True), cache="conv tails + S4D state",
+            gpu_compile=False)

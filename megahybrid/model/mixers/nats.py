@@ -473,9 +473,10 @@ def nats_cp_bytes(cfg, cp: int, element_bytes: int, select: bool = True) -> int:
 
 
 NATSL = Mixer("N", "NAtS-L", _spec(True), nats_params, nats_flops, nats_state_floats, chunk_size=CHUNK, cp=True,
-              cp_bytes=nats_cp_bytes, cache="NAtS-L cache: kept-chunk K/V + open chunk, GDN state + rollback copy, conv tails")
+              cp_bytes=nats_cp_bytes, cache="NAtS-L cache: kept-chunk K/V + open chunk, GDN state + rollback copy, conv tails",
+              gpu_compile=False)
 GATED_DELTANET = Mixer(
     "G", "Gated DeltaNet", _spec(False), lambda cfg: nats_params(cfg, False), lambda cfg: nats_flops(cfg, False),
     lambda cfg, context: nats_state_floats(cfg, context, False), chunk_size=CHUNK, cp=True,
     cp_bytes=lambda cfg, cp, element_bytes: nats_cp_bytes(cfg, cp, element_bytes, False),
-    cache="GDN state + conv tails")
+    cache="GDN state + conv tails", gpu_compile=False)
