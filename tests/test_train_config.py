@@ -31,7 +31,8 @@ def _demo(builtin, *overrides):
 
 SHIPPED = sorted(p.stem for p in PACKAGE_CONFIGS.glob("*.yaml"))
 # Parameter range (millions) by the size a shipped config's name starts with.
-SIZE_RANGES_M = {"demo": (0.1, 1), "125m": (130, 140), "350m": (370, 385), "natsl-340m": (330, 385),
+SIZE_RANGES_M = {"demo": (0.1, 1), "repro-small": (19, 23), "125m": (130, 140), "350m": (370, 385),
+                 "natsl-340m": (330, 385),
                  "760m": (775, 790), "natsl-760m": (690, 800), "1.3b": (1340, 1365)}
 
 
@@ -39,7 +40,7 @@ SIZE_RANGES_M = {"demo": (0.1, 1), "125m": (130, 140), "350m": (370, 385), "nats
 def test_shipped_configs_validate(name):
     data = [] if name.startswith("demo") else ["data.prefixes=[/data/x]", "data.tokenizer_model=/data/x.model"]
     cfg = load_config(name, data)
-    layout_world = 2 if name.startswith("demo") else cfg.parallel.tp * 8
+    layout_world = 2 if name.startswith("demo") else 1 if name == "repro-small" else cfg.parallel.tp * 8
     model, layout, ds, precision = validate(cfg, layout_world, has_gpu=True, check_data=False)
     assert precision == "bf16" and layout.dp == layout_world // cfg.parallel.tp and ds["zero_optimization"]["stage"] in (1, 2, 3)
     assert cfg.batch.global_batch_size % (cfg.batch.micro_batch_size * layout.dp) == 0
