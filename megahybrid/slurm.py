@@ -1,6 +1,7 @@
 """`megahybrid slurm submit`: render an sbatch script from slurm/ for a resolved run config, write it next to the
 run (`<run_dir>/slurm/job.sbatch`), and submit it, with optional follow-up steps (`--then CMD`, run only after the
-training succeeded). Several `--config` make one job array, one config per task.
+training succeeded). Several `--config`, or a `--study` (a list of configs in megahybrid/configs/studies/), make
+one job array, one config per task.
 
 The job's own behaviour (signal forwarding, requeue on exit 3, the requeue limit) lives in slurm/lib.sh.
 """
@@ -13,10 +14,13 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import yaml
+
 from megahybrid.errors import UserError
 
 REPO = Path(__file__).resolve().parent.parent
 TEMPLATES = {"srun": REPO / "slurm" / "srun.sbatch", "torchrun": REPO / "slurm" / "torchrun.sbatch"}
+STUDIES = REPO / "megahybrid" / "configs" / "studies"
 TIME_FORMAT = re.compile(r"^(?:(\d+)-)?(\d{1,3}):([0-5]\d):([0-5]\d)$")
 
 
@@ -38,6 +42,7 @@ class SlurmJob:
     after: str | None = None
     then: list[str] = field(default_factory=list)
     sbatch_options: list[str] = field(default_factory=list)
+    study: str | None = None
 
     @property
     def tasks_per_node(self) -> int:
@@ -45,6 +50,8 @@ class SlurmJob:
         return max(self.gpus_per_node, 1)
 
     def check(self) -> None:
+        if not self.configs:
+            raise UserError("nothing to submit: give --config NAME (repeatable) or --study NAME")
         if self.cpus_per_rank is None:
             self.cpus_per_rank = 8 if self.gpus_per_node else 1
         if self.cpus_per_rank < 1:
@@ -78,8 +85,10 @@ def add_slurm_commands(subparsers) -> None:
     slurm = subparsers.add_parser("slurm", help="submit training to Slurm (templates in slurm/)")
     commands = slurm.add_subparsers(dest="slurm_command", required=True)
     submit = commands.add_parser("submit", help="render <run_dir>/slurm/job.sbatch and run sbatch on it")
-    submit.add_argument("--config", action="append", required=True, help="config name or YAML path; repeat it "
+    submit.add_argument("--config", action="append", default=[], help="config name or YAML path; repeat it "
                         "for a job array with one config per task")
+    submit.add_argument("--study", help="a study name (megahybrid/configs/studies/: interdomain-scaling, "
+                        "interdomain-ablation, natsl) or YAML path: a job array of its configs")
     submit.add_argument("overrides", nargs="*", metavar="key=value", help="applied to every config")
     submit.add_argument("--nodes", type=int, required=True)
     submit.add_argument("--gpus-per-node", type=int, required=True, help="0: CPU mode, one gloo rank per node")
@@ -101,7 +110,8 @@ def add_slurm_commands(subparsers) -> None:
 
 
 def run(args) -> int:
-    job = SlurmJob(configs=args.config, overrides=args.overrides, nodes=args.nodes,
+    configs = [*(study_configs(args.study) if args.study else []), *args.config]
+    job = SlurmJob(configs=configs, study=args.study, overrides=args.overrides, nodes=args.nodes,
                    gpus_per_node=args.gpus_per_node, time=args.time, partition=args.partition,
                    launcher=args.launcher, signal_lead=args.signal_lead, max_requeues=args.max_requeues,
                    cpus_per_rank=args.cpus_per_rank, setup=args.setup and os.path.abspath(args.setup),
@@ -117,6 +127,24 @@ def run(args) -> int:
     job_ids = submit(job, script_path)
     print_watch_hints(job_ids, run_dirs, script_path.parent)
     return 0
+
+
+def study_configs(name_or_path: str) -> list[str]:
+    """The configs a study lists (`configs: [...]`): shipped names, or YAML paths relative to the study file."""
+    path = Path(name_or_path)
+    if not path.is_file():
+        path = STUDIES / f"{name_or_path.removesuffix('.yaml')}.yaml"
+    if not path.is_file():
+        names = sorted(p.stem for p in STUDIES.glob("*.yaml"))
+        raise UserError(f"--study {name_or_path}: no such file and no shipped study of that name; use one of {names}")
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except yaml.YAMLError:
+        raw = None
+    configs = raw.get("configs") if isinstance(raw, dict) else None
+    if not isinstance(configs, list) or not configs or not all(isinstance(c, str) for c in configs):
+        raise UserError(f"--study {path}: give a list of config names or paths as `configs: [a, b]`")
+    return [str(path.parent / c) if (path.parent / c).is_file() else c for c in configs]
 
 
 def resolve_config(job: SlurmJob, name: str):
@@ -148,7 +176,7 @@ def render(job: SlurmJob, run_dirs: list[Path], slurm_dir: Path) -> str:
              f"#SBATCH --dependency=afterok:{job.after}" if job.after else "",
              *(f"#SBATCH {option}" for option in job.sbatch_options)]
     values = {
-        "job_name": "mh-sweep" if array else f"mh-{Path(job.configs[0]).stem}",
+        "job_name": f"mh-{Path(job.study or job.configs[0]).stem}" if job.study or not array else "mh-sweep",
         "nodes": job.nodes, "tasks_per_node": job.tasks_per_node, "time": job.time,
         "cpus_per_task": job.cpus_per_rank * (job.tasks_per_node if job.launcher == "torchrun" else 1),
         "signal_lead": job.signal_lead, "max_requeues": job.max_requeues, "workdir": os.getcwd(),

@@ -1,7 +1,7 @@
 """`megahybrid slurm submit` and the slurm/ templates against a real two-node Slurm on this machine (CPU, gloo):
 a 2-node training job, the same job signalled mid-run (saved, requeued, resumed to the same losses), afterok
-chains after success and failure, a job array of two configs through the torchrun template; and the rendered
-script and flag errors without a cluster. Skipped, with the reason printed, where the daemons cannot start
+chains after success and failure, a study (job array) of two configs through the torchrun template; and the
+rendered script (also of a shipped study) and flag errors without a cluster. Skipped, with the reason printed, where the daemons cannot start
 (`make test` installs slurm-wlm and munge with apt when it can)."""
 import contextlib
 import io
@@ -11,6 +11,7 @@ import subprocess
 import time
 
 import pytest
+import yaml
 
 from tests.slurm_cluster import Cluster, ClusterUnavailable
 from tests.test_train_resume import REPO, _args, _env, data_dir, latest, losses  # noqa: F401  (data_dir: fixture)
@@ -34,7 +35,7 @@ def submit(cluster, run_dir, data_dir, *flags, extra=(), configs=None):
     YAML `configs` as an array; the job ids it printed, the training's first."""
     from megahybrid.cli import main
 
-    config_args = [f"--config={c}" for c in configs] if configs else _args(run_dir, data_dir, STEPS, *extra)[1:]
+    config_args = [f"--config={c}" for c in configs] if configs is not None else _args(run_dir, data_dir, STEPS, *extra)[1:]
     printed = io.StringIO()
     with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(printed):
         for key, value in _env({"SLURM_CONF": cluster.conf}).items():
@@ -61,26 +62,29 @@ def assert_finished(cluster, job_id, run_dir, restarts=0):
 @pytest.fixture(scope="module")
 def jobs(cluster, data_dir, tmp_path_factory):  # noqa: F811
     """Every cluster job of this module, submitted at once so that they overlap: the uninterrupted run chained to
-    a command, the run to be signalled, a failing run chained to a command, and an array of two configs."""
+    a command, the run to be signalled, a failing run chained to a command, and a study (job array) of two configs."""
     root = tmp_path_factory.mktemp("slurm-runs")
     out = {"root": root}
     out["signalled"] = submit(cluster, str(root / "signalled"), data_dir, extra=("debug.sleep_per_step=2",))[0]
     out["reference"] = submit(cluster, str(root / "reference"), data_dir, f"--then=date > {root / 'after-ok'}")
     out["failing"] = submit(cluster, str(root / "failing"), data_dir, f"--then=date > {root / 'after-failure'}",
                             extra=("data.builtin=false", "data.prefixes=[/nonexistent/corpus]"))
-    out["array"] = submit(cluster, None, data_dir, "--launcher=torchrun", configs=_array_configs(root, data_dir))[0]
+    out["array"] = submit(cluster, None, data_dir, "--launcher=torchrun", f"--study={_study(root, data_dir)}",
+                          configs=[])[0]
     return out
 
 
-def _array_configs(root, data_dir):  # noqa: F811
+def _study(root, data_dir):  # noqa: F811
+    """A study file listing two tiny configs (paths relative to it) that differ in the learning rate."""
     from megahybrid.train.config import load_config
 
-    paths = []
+    names = []
     for lr in ("1e-3", "2e-3"):
         cfg = load_config("demo", [*_args(str(root / f"lr-{lr}"), data_dir, STEPS)[3:], f"optimizer.lr={lr}"])
-        paths.append(root / f"lr-{lr}.yaml")
-        paths[-1].write_text(cfg.to_yaml())
-    return paths
+        names.append(f"lr-{lr}.yaml")
+        (root / names[-1]).write_text(cfg.to_yaml())
+    (root / "lr-study.yaml").write_text(f"configs: [{', '.join(names)}]\n")
+    return root / "lr-study.yaml"
 
 
 def _read(run_dir, name):
@@ -148,8 +152,9 @@ def test_dependency_chain_runs_only_after_success(cluster, jobs):
 
 @pytest.mark.dist
 @pytest.mark.slow
-def test_job_array_of_two_configs_through_torchrun(cluster, jobs):
+def test_study_array_of_two_configs_through_torchrun(cluster, jobs):
     run_dirs = [str(jobs["root"] / f"lr-{lr}") for lr in ("1e-3", "2e-3")]
+    assert f"mh-lr-study-{jobs['array']}_0.out" in os.listdir(os.path.join(run_dirs[0], "slurm", "logs"))
     for task, run_dir in enumerate(run_dirs):
         assert_finished(cluster, f"{jobs['array']}_{task}", run_dir)
         assert "world_size=2" in _read(run_dir, f"{jobs['array']}_{task}.0-node0.log")
@@ -177,6 +182,31 @@ def test_dry_run_renders_and_bad_flags_fail_in_one_line(tmp_path, capsys):
            "--config=125m": "the job array's configs share a run_dir"}
     for flag, message in bad.items():
         assert main([*base[:5], flag, *base[5:]] if not flag.startswith("--") else [*base, flag]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: {message}") and len(err.strip().splitlines()) == 1, err
+
+
+def test_shipped_study_renders_one_array_task_per_config(tmp_path, monkeypatch, capsys):
+    from megahybrid.cli import main
+    from megahybrid.slurm import study_configs
+
+    monkeypatch.chdir(tmp_path)
+    names = study_configs("interdomain-ablation")
+    assert main(["slurm", "submit", "--study=interdomain-ablation", "data.prefixes=[/data/x]",
+                 "data.tokenizer_model=/data/x.model", "--nodes=2", "--gpus-per-node=8", "--time=1-00:00:00",
+                 "--dry-run"]) == 0
+    script = capsys.readouterr().out
+    assert f"#SBATCH --array=0-{len(names) - 1}" in script and "#SBATCH --job-name=mh-interdomain-ablation" in script
+    configs = re.search(r"^MH_CONFIGS=\((.*)\)$", script, re.M).group(1).split()
+    assert configs == [str(tmp_path / "runs" / name / "slurm" / "config.yaml") for name in names]
+    cell = yaml.safe_load(open(tmp_path / "runs" / "125m-interdomain-dual-contraction" / "slurm" / "config.yaml"))
+    assert cell["model"]["interdomain"]["variant"] == "dual-contraction" and cell["optimizer"]["lr"] == 3e-3
+    (tmp_path / "bad.yaml").write_text("configs: 125m\n")
+    for flags, message in ((["--study=nope"], "--study nope: no such file and no shipped study"),
+                           (["--study=bad.yaml"], "--study bad.yaml: give a list of config names"),
+                           ([], "nothing to submit: give --config NAME")):
+        assert main(["slurm", "submit", *flags, "--nodes=1", "--gpus-per-node=0", "--time=01:00:00",
+                     "--dry-run"]) == 2
         err = capsys.readouterr().err
         assert err.startswith(f"error: {message}") and len(err.strip().splitlines()) == 1, err
 

@@ -6,9 +6,12 @@ import subprocess
 import sys
 
 import pytest
+import yaml
 
 from megahybrid.errors import UserError
-from megahybrid.train.config import load_config, validate
+from megahybrid.model.config import count_parameters, preset
+from megahybrid.model.mixers import state_floats
+from megahybrid.train.config import PACKAGE_CONFIGS, load_config, validate
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -26,14 +29,55 @@ def _demo(builtin, *overrides):
     return load_config("demo", base + list(overrides))
 
 
-@pytest.mark.parametrize("name", ["demo", "demo-hybrid", "125m", "350m", "1.3b", "natsl-340m", "natsl-340m-n", "natsl-340m-g", "natsl-340m-s", "natsl-760m"])
+SHIPPED = sorted(p.stem for p in PACKAGE_CONFIGS.glob("*.yaml"))
+# Parameter range (millions) by the size a shipped config's name starts with.
+SIZE_RANGES_M = {"demo": (0.1, 1), "repro-small": (19, 23), "125m": (130, 140), "350m": (370, 385),
+                 "natsl-340m": (330, 385),
+                 "760m": (775, 790), "natsl-760m": (690, 800), "1.3b": (1340, 1365)}
+
+
+@pytest.mark.parametrize("name", SHIPPED)
 def test_shipped_configs_validate(name):
     data = [] if name.startswith("demo") else ["data.prefixes=[/data/x]", "data.tokenizer_model=/data/x.model"]
     cfg = load_config(name, data)
-    layout_world = 2 if name.startswith("demo") else cfg.parallel.tp * 8
+    layout_world = 2 if name.startswith("demo") else 1 if name == "repro-small" else cfg.parallel.tp * 8
     model, layout, ds, precision = validate(cfg, layout_world, has_gpu=True, check_data=False)
     assert precision == "bf16" and layout.dp == layout_world // cfg.parallel.tp and ds["zero_optimization"]["stage"] in (1, 2, 3)
     assert cfg.batch.global_batch_size % (cfg.batch.micro_batch_size * layout.dp) == 0
+    size = max((s for s in SIZE_RANGES_M if name.startswith(s)), key=len)
+    low, high = SIZE_RANGES_M[size]
+    assert low <= count_parameters(model) / 1e6 <= high, (name, count_parameters(model))
+    assert cfg.run_dir == f"runs/{name}"  # an array of several configs needs one run_dir each
+
+
+def test_study_configs_inherit_their_recipe_and_match_the_state_budget():
+    """Every `-s4d` of the scaling study keeps the `-interdomain` recipe and state floats of its size; the ablation
+    cells differ from 125m-interdomain only in their interdomain options; every study names shipped configs."""
+    for size in ("125m", "350m", "760m", "1.3b"):
+        configs = {kind: load_config(f"{size}-{kind}") for kind in ("interdomain", "s4d", "paper")}
+        recipe = {kind: (c.optimizer, c.batch, c.train) for kind, c in configs.items()}
+        assert recipe["s4d"] == recipe["interdomain"] == recipe["paper"], size
+        models = {kind: preset(c.model.preset, **c.model.overrides) for kind, c in configs.items()}
+        assert state_floats(models["s4d"], 4096)["D"] == state_floats(models["interdomain"], 4096)["I"], size
+    full = load_config("125m-interdomain").to_dict()
+    for variant in ("normalized", "generic-query", "dual-contraction"):
+        cell = load_config(f"125m-interdomain-{variant}").to_dict()
+        assert cell["model"].pop("interdomain") == {"variant": variant} and cell.pop("run_dir") != full["run_dir"]
+        assert cell == {k: v for k, v in full.items() if k != "run_dir"}
+    for study in (PACKAGE_CONFIGS / "studies").glob("*.yaml"):
+        assert set(yaml.safe_load(study.read_text())["configs"]) <= set(SHIPPED), study
+
+
+def test_base_key_merges_and_refuses_a_cycle(tmp_path):
+    (tmp_path / "a.yaml").write_text("base: demo\nrun_dir: runs/a\nmodel:\n  pattern: SS\n")
+    cfg = load_config(str(tmp_path / "a.yaml"), ["train.steps=3"])
+    demo = load_config("demo")
+    assert (cfg.run_dir, cfg.model.overrides["pattern"], cfg.train.steps) == ("runs/a", "SS", 3)
+    assert cfg.model.overrides["seq_length"] == demo.model.overrides["seq_length"] and cfg.optimizer == demo.optimizer
+    (tmp_path / "b.yaml").write_text("base: c.yaml\n")
+    (tmp_path / "c.yaml").write_text("base: b.yaml\n")
+    with pytest.raises(UserError, match="leads back to itself"):
+        load_config(str(tmp_path / "b.yaml"))
 
 
 def test_overrides_and_yaml_round_trip(tmp_path):

@@ -186,8 +186,39 @@ def resolve_config_path(name_or_path: str) -> Path:
 
 
 def load_config(name_or_path: str, overrides: list[str] = ()) -> RunConfig:
-    """Read a YAML run config, apply `section.key=value` overrides (values parsed as YAML) and build RunConfig."""
-    path = resolve_config_path(name_or_path)
+    """Read a YAML run config (with its `base:` chain), apply `section.key=value` overrides (values parsed as
+    YAML) and build RunConfig."""
+    raw = _read_with_base(resolve_config_path(name_or_path), ())
+    for item in overrides:
+        apply_override(raw, item)
+    return from_dict(raw)
+
+
+def _read_with_base(path: Path, seen: tuple) -> dict:
+    """The YAML mapping at `path`; a top-level `base: NAME_OR_PATH` names a config whose mapping it is merged onto
+    (section by section, key by key), so a study's variant states only what it changes."""
+    raw = _read_yaml(path)
+    base = raw.pop("base", None)
+    if base is None:
+        return raw
+    if not isinstance(base, str):
+        raise ConfigError(f"{path}: base={base!r} must be a config name or a YAML path")
+    sibling = path.parent / base
+    base_path = sibling if sibling.is_file() else resolve_config_path(base)
+    if base_path.resolve() in seen + (path.resolve(),):
+        raise ConfigError(f"{path}: base {base!r} leads back to itself; break the cycle of base: keys")
+    return _merged(_read_with_base(base_path, seen + (path.resolve(),)), raw)
+
+
+def _merged(base: dict, child: dict) -> dict:
+    out = dict(base)
+    for key, value in child.items():
+        both = isinstance(value, dict) and isinstance(out.get(key), dict)
+        out[key] = _merged(out[key], value) if both else value
+    return out
+
+
+def _read_yaml(path: Path) -> dict:
     try:
         raw = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as err:
@@ -196,9 +227,7 @@ def load_config(name_or_path: str, overrides: list[str] = ()) -> RunConfig:
         raise ConfigError(f"{path}{where}: not valid YAML ({getattr(err, 'problem', err)}); fix the syntax") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: the top level must be a mapping of sections (model:, train:, ...)")
-    for item in overrides:
-        apply_override(raw, item)
-    return from_dict(raw)
+    return raw
 
 
 def apply_override(raw: dict, item: str) -> None:

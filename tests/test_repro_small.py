@@ -1,0 +1,73 @@
+"""tools/repro_small.py end to end on CPU: two of its five ~20M recipes (`I` and the NAtS-L Hybrid, whose `G` and
+`N` layers cover the rest; S/D/G differ only in the pattern) shrunk to tiny models, two steps each on the built-in
+corpus, trained at once, then eval ppl and eval recall on each; the JSON / Markdown results hold every model's
+numbers. Bad input: one line, exit 2."""
+import importlib.util
+import json
+import math
+import os
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = ["model.hidden_size=32", "model.num_heads=2", "model.ffn_hidden_size=64", "model.seq_length=64",
+        "model.interdomain.modes=8", "model.nats.gdn_heads=2", "model.nats.gdn_head_dim=16",
+        "model.nats.attention_heads=4", "batch.global_batch_size=4", "batch.micro_batch_size=4", "eval.iters=2",
+        "data.num_workers=0", "logging.interval=1"]
+STEPS = 2
+MODELS = ["I", "H"]
+
+
+def _tool():
+    spec = importlib.util.spec_from_file_location("repro_small", os.path.join(REPO, "tools", "repro_small.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    """The built-in corpus laid out as tools/prepare_wikipedia.py writes (its one prefix as train and valid)."""
+    from megahybrid.data.builtin import prepare_builtin
+
+    root = tmp_path_factory.mktemp("repro-data")
+    built = prepare_builtin(str(root / "builtin"), vocab_size=512, num_docs=600)
+    os.symlink(built.tokenizer_model, root / "tokenizer.model")
+    for split in ("train", "valid"):
+        for ext in (".bin", ".idx"):
+            os.symlink(built.prefix + ext, root / f"{split}_text_document{ext}")
+    return str(root)
+
+
+@pytest.mark.slow
+def test_repro_small_end_to_end_on_cpu(data_dir, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # the ops' torch paths on CPU, in the training processes too
+    tool = _tool()
+    results = str(tmp_path / "results" / "repro")
+    argv = ["--data-dir", data_dir, "--tokens", str(STEPS * 4 * 64), "--run-root", str(tmp_path / "runs"),
+            "--results", results, "--models", ",".join(MODELS), "--parallel", "2", *TINY]
+    assert tool.main(argv) == 0, capsys.readouterr()
+    record = json.load(open(results + ".json"))
+    assert list(record["models"]) == MODELS and record["meta"]["gpu"] == "cpu"
+    assert record["meta"]["commit"] and record["meta"]["epochs"] > 0
+    for label, model in record["models"].items():
+        assert model["pattern"] == tool.MODELS[label] and model["train"]["steps"] == STEPS
+        assert model["tokens"] == STEPS * 4 * 64 and model["train"]["tokens_per_s"] > 0
+        assert math.isfinite(model["train"]["valid_ppl"]) and 10 < model["parameters"] / 1e3 < 200
+        buckets = model["ppl_buckets"]
+        assert [b["end"] for b in buckets] == [16, 32, 64, 128, 256] and buckets[-1]["beyond_training"]
+        assert all(math.isfinite(b["ppl"]) for b in buckets)
+        assert {r["task"] for r in model["recall"]} == {"mqar", "niah"}
+        assert all(0 <= r["accuracy"] <= 1 for r in model["recall"])
+    table = open(results + ".md").read().splitlines()
+    assert [line.split(" | ")[0] for line in table[-len(MODELS):]] == [f"| {m}" for m in MODELS]
+    assert os.path.getsize(results + ".png") > 0
+
+
+def test_missing_data_and_bad_models_one_line(tmp_path, capsys):
+    tool = _tool()
+    for argv, message in ((["--data-dir", str(tmp_path)], f"--data-dir {tmp_path}: missing"),
+                          (["--models", "S,X"], "--models S,X --tokens")):
+        assert tool.main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: {message}") and len(err.strip().splitlines()) == 1, err

@@ -1,0 +1,240 @@
+"""Small-scale reproduction (issue #20): ~20M-parameter `S`, `D`, `I`, `G` and NAtS-L Hybrid models trained on the
+same tokens with one recipe (megahybrid/configs/repro-small.yaml), then `megahybrid eval ppl` (position buckets to
+4x the training context, on the validation split) and `megahybrid eval recall` (MQAR and needle, zero-shot) on
+each; writes RESULTS.json and RESULTS.md (default tools/results/repro-small) with date, GPU and commit.
+
+DATA_DIR holds what tools/prepare_wikipedia.py writes: tokenizer.model, train_text_document.{bin,idx} and
+valid_text_document.{bin,idx}. A token budget larger than the training split repeats it (epochs are reported).
+The files for one GPU call (they must travel with the checkout, 64 MiB in all; 22.9M training tokens, 50.5 MB):
+    python tools/prepare_wikipedia.py --out-dir data/wikipedia-en-8k --vocab-size 8192 --max-docs 1900 \
+        --splits train,valid
+
+Usage: python tools/repro_small.py --data-dir data/wikipedia-en --tokens 25000000 [--models S,D,I,G,H]
+       [--parallel N] [--run-root DIR] [--results PATH] [key=value ...]   (overrides for every training run)
+"""
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from megahybrid.errors import EXIT_USER_ERROR, UserError  # noqa: E402
+
+CONFIG = "repro-small"
+# Model label -> layer pattern; H is the NAtS-L Hybrid (Gated DeltaNet with NAtS-L at layers 3 and 7 of 8).
+MODELS = {"S": "S", "D": "D", "I": "I", "G": "G", "H": "GGGNGGGN"}
+MQAR_KEYS = (4, 16, 64)
+
+
+def data_files(data_dir: str) -> dict:
+    files = {"tokenizer": os.path.join(data_dir, "tokenizer.model"),
+             "train": os.path.join(data_dir, "train_text_document"),
+             "valid": os.path.join(data_dir, "valid_text_document")}
+    missing = [p for p in (files["tokenizer"], *(files[s] + e for s in ("train", "valid") for e in (".bin", ".idx")))
+               if not os.path.isfile(p)]
+    if missing:
+        raise UserError(f"--data-dir {data_dir}: missing {missing[0]}; run tools/prepare_wikipedia.py --out-dir "
+                        f"{data_dir} first")
+    return files
+
+
+def dataset_tokens(prefix: str) -> int:
+    import numpy as np
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    dataset = IndexedDataset(prefix)  # held while summing: sequence_lengths views its memory map
+    return int(np.asarray(dataset.sequence_lengths, dtype=np.int64).sum())
+
+
+def tokenizer_vocab(model_file: str) -> int:
+    import sentencepiece
+
+    return sentencepiece.SentencePieceProcessor(model_file=model_file).vocab_size()
+
+
+def run_overrides(label: str, files: dict, tokens: int, run_root: str, extra: list) -> list:
+    """The training overrides of one model: its pattern and run_dir, the data, and steps for the token budget."""
+    from megahybrid.train.config import load_config
+
+    base = load_config(CONFIG, extra)
+    seq = base.model.overrides["seq_length"]
+    steps = max(1, tokens // (base.batch.global_batch_size * seq))
+    return [f"model.pattern={MODELS[label]}", f"run_dir={os.path.join(run_root, label)}",
+            f"model.vocab_size={tokenizer_vocab(files['tokenizer'])}", f"data.tokenizer_model={files['tokenizer']}",
+            f"data.train_prefixes=[{files['train']}]", f"data.valid_prefixes=[{files['valid']}]",
+            f"train.steps={steps}", f"optimizer.warmup_steps={max(1, steps // 10)}",
+            f"checkpoint.interval={steps}", f"eval.interval={steps}", *extra]
+
+
+def train(label: str, overrides: list, run_root: str, gpu: int | None) -> None:
+    """One `megahybrid train` process (fresh process groups and GPU memory per model); its log in the run dir."""
+    run_dir = os.path.join(run_root, label)
+    os.makedirs(run_dir, exist_ok=True)
+    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    if gpu is not None:
+        env["CUDA_VISIBLE_DEVICES"] = str(gpu)
+    log = os.path.join(run_dir, "train.log")
+    with open(log, "w") as f:
+        code = subprocess.run([sys.executable, "-m", "megahybrid", "train", "--config", CONFIG, *overrides],
+                              stdout=f, stderr=subprocess.STDOUT, env=env, cwd=REPO).returncode
+    print(f"{label}: trained (exit {code}), log {log}", flush=True)
+    if code:
+        tail = open(log).read().strip().splitlines()[-5:]
+        raise UserError(f"training {label} failed with exit {code}: {' | '.join(tail)}")
+
+
+def train_all(labels: list, overrides: dict, run_root: str, parallel: int) -> None:
+    import torch
+
+    gpus = torch.cuda.device_count()
+    with ThreadPoolExecutor(max_workers=parallel) as pool:
+        jobs = [pool.submit(train, label, overrides[label], run_root, i % gpus if gpus else None)
+                for i, label in enumerate(labels)]
+        for job in jobs:
+            job.result()
+
+
+def training_record(run_dir: str) -> dict:
+    """Throughput (median over logged steps after the first: compilation and warm-up), final losses."""
+    rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+    rates = [r["perf/tokens_per_s"] for r in rows if "perf/tokens_per_s" in r]
+    valid = [r for r in rows if "valid/perplexity" in r]
+    losses = [r["train/loss"] for r in rows if "train/loss" in r]
+    return {"tokens_per_s": statistics.median(rates[1:] or rates) if rates else None,
+            "train_loss": losses[-1] if losses else None,
+            "valid_ppl": valid[-1]["valid/perplexity"] if valid else None,
+            "steps": max(r["step"] for r in rows)}
+
+
+def cli(argv: list) -> None:
+    from megahybrid.cli import main
+
+    code = main(argv)
+    if code:
+        raise UserError(f"megahybrid {' '.join(argv[:2])} failed with exit {code}")
+
+
+def evaluate(labels: list, files: dict, run_root: str, seq: int) -> dict:
+    """eval ppl of every model on one plot (buckets seq/4 .. 4 seq), then eval recall of each."""
+    ckpts = [os.path.join(run_root, label, "checkpoints") for label in labels]
+    lengths = ",".join(str(n) for n in (seq // 4, seq // 2, seq, 2 * seq, 4 * seq))
+    ppl_dir = os.path.join(run_root, "eval-ppl")
+    cli(["eval", "ppl", "--checkpoint", *ckpts, "--data", files["valid"], "--lengths", lengths,
+         "--tokens", str(32 * 4 * seq), "--out", ppl_dir])
+    ppl = json.load(open(os.path.join(ppl_dir, "ppl.json")))["results"]
+    recall = {}
+    for label, ckpt in zip(labels, ckpts):
+        out = os.path.join(run_root, f"eval-recall-{label}")
+        cli(["eval", "recall", "--checkpoint", ckpt, "--lengths", f"{seq // 4},{seq // 2},{seq}",
+             "--keys", ",".join(map(str, MQAR_KEYS)), "--out", out])
+        recall[label] = json.load(open(os.path.join(out, "recall.json")))["rows"]
+    return {"ppl": dict(zip(labels, ppl)), "recall": recall, "plot": os.path.join(ppl_dir, "ppl.png")}
+
+
+def record(labels: list, files: dict, tokens: int, run_root: str, evals: dict) -> dict:
+    import torch
+
+    from megahybrid.eval.loading import git_commit
+    from megahybrid.model.config import count_parameters, preset
+    from megahybrid.train.config import load_config
+
+    models = {}
+    for label in labels:
+        cfg = load_config(os.path.join(run_root, label, "config.yaml"))
+        model = preset(cfg.model.preset, **cfg.model.overrides)
+        models[label] = {"pattern": model.pattern, "parameters": count_parameters(model),
+                         "tokens": cfg.train.steps * cfg.batch.global_batch_size * model.seq_length,
+                         "train": training_record(cfg.run_dir), "ppl_buckets": evals["ppl"][label]["buckets"],
+                         "recall": evals["recall"][label]}
+    available = dataset_tokens(files["train"])
+    return {"meta": {"date": time.strftime("%Y-%m-%d"), "commit": git_commit(),
+                     "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+                     "config": CONFIG, "data": os.path.dirname(files["train"]), "tokens_requested": tokens,
+                     "train_tokens_available": available, "epochs": tokens / available,
+                     "train_length": model.seq_length},
+            "models": models}
+
+
+def markdown(result: dict) -> str:
+    meta, models = result["meta"], result["models"]
+    first = next(iter(models.values()))
+    buckets = [b["bucket"] for b in first["ppl_buckets"]]
+    mqar = sorted({(r["length"], r["keys"]) for r in first["recall"] if r["task"] == "mqar"})
+    lines = [f"# Small-scale reproduction ({meta['date']}, {meta['gpu']}, commit {meta['commit']})", "",
+             f"Config `{meta['config']}`, data `{meta['data']}`, {meta['tokens_requested']:,} tokens per model "
+             f"({meta['epochs']:.2f} epochs of {meta['train_tokens_available']:,} training tokens), trained at "
+             f"{meta['train_length']}; perplexity on the validation split by position bucket (past "
+             f"{meta['train_length']}: extrapolation); MQAR / needle zero-shot (MQAR length/keys). H is the NAtS-L Hybrid.",
+             "",
+             "| model | pattern | params | tok/s | valid ppl | " + " | ".join(f"ppl {b}" for b in buckets)
+             + " | " + " | ".join(f"MQAR {n}/{k}" for n, k in mqar) + " | NIAH mean |",
+             "|" + " --- |" * (6 + len(buckets) + len(mqar))]
+    lines += [_row(label, m, mqar) for label, m in models.items()]
+    return "\n".join(lines) + "\n"
+
+
+def _row(label: str, m: dict, mqar: list) -> str:
+    acc = {(r["length"], r["keys"]): r["accuracy"] for r in m["recall"] if r["task"] == "mqar"}
+    niah = [r["accuracy"] for r in m["recall"] if r["task"] == "niah"]
+    train = m["train"]
+    cells = [label, f"`{m['pattern']}`", f"{m['parameters'] / 1e6:.1f}M",
+             f"{train['tokens_per_s']:,.0f}" if train["tokens_per_s"] else "-",
+             f"{train['valid_ppl']:.2f}" if train["valid_ppl"] else "-",
+             *(f"{b['ppl']:.2f}" for b in m["ppl_buckets"]), *(f"{acc[s]:.3f}" for s in mqar),
+             f"{statistics.mean(niah):.3f}" if niah else "-"]
+    return "| " + " | ".join(cells) + " |"
+
+
+def parse(argv):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--data-dir", default=os.path.join(REPO, "data", "wikipedia-en"))
+    parser.add_argument("--tokens", type=int, default=25_000_000, help="training tokens per model")
+    parser.add_argument("--models", default=",".join(MODELS), help=f"a subset of {','.join(MODELS)}")
+    parser.add_argument("--parallel", type=int, default=1, help="models trained at once (spread over the GPUs)")
+    parser.add_argument("--run-root", default=None, help="default runs/repro-small-<tokens>")
+    parser.add_argument("--results", default=os.path.join(REPO, "tools", "results", "repro-small"),
+                        help="writes PATH.json, PATH.md and PATH.png")
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help="for every training run")
+    return parser.parse_args(argv)
+
+
+def run(args) -> int:
+    labels = [m for m in args.models.split(",") if m]
+    if not labels or set(labels) - set(MODELS) or args.tokens < 1 or args.parallel < 1:
+        raise UserError(f"--models {args.models} --tokens {args.tokens} --parallel {args.parallel}: choose models "
+                        f"from {','.join(MODELS)}, a positive token budget and --parallel >= 1")
+    files = data_files(os.path.abspath(args.data_dir))
+    run_root = os.path.abspath(args.run_root or os.path.join(REPO, "runs", f"repro-small-{args.tokens}"))
+    overrides = {label: run_overrides(label, files, args.tokens, run_root, args.overrides) for label in labels}
+    train_all(labels, overrides, run_root, args.parallel)
+    from megahybrid.train.config import load_config
+
+    seq = load_config(CONFIG, args.overrides).model.overrides["seq_length"]
+    result = record(labels, files, args.tokens, run_root, evaluate(labels, files, run_root, seq))
+    os.makedirs(os.path.dirname(os.path.abspath(args.results)), exist_ok=True)
+    with open(args.results + ".json", "w") as f:
+        json.dump(result, f, indent=1)
+    with open(args.results + ".md", "w") as f:
+        f.write(markdown(result))
+    shutil.copyfile(os.path.join(run_root, "eval-ppl", "ppl.png"), args.results + ".png")
+    print(markdown(result) + f"wrote {args.results}.json, .md and .png", flush=True)
+    return 0
+
+
+def main(argv=None) -> int:
+    try:
+        return run(parse(argv))
+    except UserError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_USER_ERROR
+
+
+if __name__ == "__main__":
+    sys.exit(main())
