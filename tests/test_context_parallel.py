@@ -144,6 +144,26 @@ def test_train_command_at_cp2_matches_cp1_and_resumes(tmp_path):
     assert "model.seq_length=101 must be a multiple of 2" in stderr and "Traceback" not in stderr
 
 
+@pytest.mark.dist
+def test_train_command_at_cp2_with_nats_layers(tmp_path, monkeypatch):
+    """`megahybrid train model.pattern=NG parallel.cp=2`: the loss curve of the 1-rank run (the torch paths of the
+    N/G ops, as a user's CPU run takes them)."""
+    from megahybrid.data.builtin import prepare_builtin
+    from tests.test_train_resume import _args, losses, run
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    data_dir = str(tmp_path / "builtin")
+    prepare_builtin(data_dir, vocab_size=512, num_docs=2000)
+    one, two = str(tmp_path / "cp1"), str(tmp_path / "cp2")
+    run(_args(one, data_dir, 4, "model.pattern=NG"))
+    (_, stdout, _), _ = run(_args(two, data_dir, 4, "model.pattern=NG", "parallel.cp=2"), world=2)
+    assert "cp=2" in stdout and "cp_bytes_sent_per_layer_per_sequence=N:" in stdout
+    ref, got = losses(one), losses(two)
+    assert sorted(got) == sorted(ref) == list(range(1, 5))
+    for step in ref:
+        assert got[step] == pytest.approx(ref[step], rel=1e-5), (step, got[step], ref[step])
+
+
 @pytest.mark.parametrize("pattern", ["G", "N"])
 def test_nats_shards_must_be_whole_chunks(pattern):
     """seq_length 192 at cp = 2 gives 96-token shards, which NAtS-L's 64-token chunk scores cannot serve."""
