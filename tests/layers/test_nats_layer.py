@@ -26,7 +26,9 @@ def test_natsl_presets_and_records():
         counts = {p: count_parameters(PRESETS[name].replace(pattern=p)) for p in ("N", "G", PRESETS[name].pattern)}
         assert counts["G"] < counts[PRESETS[name].pattern] < counts["N"]
     for char in "NG":
-        assert MIXERS[char].chunk_size == 64 and not MIXERS[char].cp and MIXERS[char].cache
+        mixer = MIXERS[char]
+        assert mixer.chunk_size == 64 and mixer.cp and mixer.cache and not mixer.gpu_compile
+        assert mixer.cp_bytes(cfg, 2, 2) > 0
     # G's state does not grow with the context; N's grows with the kept chunks only.
     g8, g128 = (state_floats(cfg, n)["G"] for n in (8192, 131072))
     assert g8 == g128 > 0
