@@ -182,8 +182,9 @@ def run_row(row: dict, argv: list[str], timeout: float) -> dict:
         return {**row, "status": f"timeout after {timeout:.0f} s"}
     for line in out.stdout.splitlines():
         if line.startswith(ROW_MARK):
-            if "--profile" in argv:
-                print(out.stderr[out.stderr.find("profile of 2 steps"):], file=sys.stderr)
+            start = out.stderr.find("profile of 2 steps")
+            if start >= 0:
+                print(out.stderr[start:], file=sys.stderr)
             return json.loads(line[len(ROW_MARK):])
     print(out.stderr[-4000:], file=sys.stderr)
     return {**row, "status": f"exit {out.returncode}: {_failure_line(out.stderr or out.stdout)[:300]}"}
