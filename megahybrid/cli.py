@@ -176,9 +176,11 @@ def main(argv: list[str] | None = None) -> int:
         prepare_launch_env()
         code = run_train(args)
     except UserError as err:
-        # Every rank validates the same config: one copy of a config error is enough.
+        # Every rank validates the same config: one copy of a config error is enough. One write per message:
+        # under mpirun two ranks' separate text and newline writes can interleave into one line.
         if not isinstance(err, ConfigError) or os.environ.get("RANK", "0") == "0":
-            print(f"error: {err}", file=sys.stderr, flush=True)
+            sys.stderr.write(f"error: {err}\n")
+            sys.stderr.flush()
         code = EXIT_USER_ERROR
     except Interrupted as stop:
         print(stop.message(), file=sys.stderr, flush=True)

@@ -6,7 +6,7 @@ import socket
 import subprocess
 from pathlib import Path
 
-from megahybrid.errors import UserError
+from megahybrid.errors import ConfigError
 
 
 def mpi_rendezvous(expected_size: int) -> tuple[str, str] | None:
@@ -54,7 +54,7 @@ def check_config_agreement(config: dict) -> None:
     for rank, difference in enumerate(differences):
         if difference:
             key, theirs, ours = difference
-            raise UserError(f"rank {rank} disagrees with rank 0 on {key}: {theirs!r} on rank {rank}, {ours!r} on "
+            raise ConfigError(f"rank {rank} disagrees with rank 0 on {key}: {theirs!r} on rank {rank}, {ours!r} on "
                             "rank 0; launch every rank from the same checkout with the same --config and overrides")
 
 
