@@ -27,8 +27,8 @@ class Mixer:
     cp_bytes(cfg, cp, element_bytes): bytes one CP rank sends per layer, per sequence and training step
         (forward + backward, ring collectives), or None where cp is False.
     cache: the name of its decode cache type ("" if none).
-    gpu_compile: torch.compile of a model with this layer runs on a GPU (measured per mixer; see
-        gpu_compile_blockers).
+    gpu_compile: torch.compile of this mixer's own module runs on a GPU (measured per mixer); where False, a
+        compiled model keeps the mixer's module eager (see eager_mixer_modules).
     """
 
     char: str
@@ -99,12 +99,12 @@ def check_context_parallel(pattern: str, cp: int) -> None:
         )
 
 
-def gpu_compile_blockers(pattern: str) -> list[str]:
-    """Mixers of the pattern whose compiled model faults on a GPU. Measured on the H200 (torch 2.11, Triton 3.6,
-    tools/train_smoke.py): with I, D, N or G layers an inductor-generated kernel of the layer's own elementwise /
-    conv code raises "CUDA error: misaligned address" on the first step (our Triton ops are already opaque to
-    compile), while S compiles and matches eager (issue #15)."""
-    return [f"{c} ({mixer_for(c).name})" for c in dict.fromkeys(pattern) if not mixer_for(c).gpu_compile]
+def eager_mixer_modules(cfg) -> tuple[type, ...]:
+    """Module classes of the pattern's mixers that a compiled model runs eager. Measured on the H200 (torch 2.11,
+    Triton 3.6, tools/train_smoke.py): compiling the I, D, N or G layers' own elementwise / conv code gives an
+    inductor kernel that raises "CUDA error: misaligned address" on the first step (our Triton ops were already
+    opaque to compile), while S compiles and matches eager (issue #15). The rest of the model still compiles."""
+    return tuple(dict.fromkeys(mixer_for(c).spec(cfg).module for c in cfg.pattern if not mixer_for(c).gpu_compile))
 
 
 def cp_bytes_per_layer(cfg, cp: int, element_bytes: int) -> dict[str, int]:

@@ -1,0 +1,86 @@
+"""Which part of a mixer's own torch code faults when compiled on the GPU (issue #15). Each run is one process
+(a CUDA fault poisons its context): a few compiled `megahybrid train` steps with the mixer module compiled in
+full except one piece kept eager (torch.compiler.disable). A piece whose eager run passes while `none` faults is
+where the fault is. `module` is the default of `train.compile` (the whole mixer module eager).
+
+    python tools/compile_bisect.py                         # I and G, every piece, in parallel
+    python tools/compile_bisect.py --patterns I --preset tiny --seq 128    # CPU
+"""
+import argparse
+import importlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+from tools.train_smoke import MARK, outcome  # noqa: E402
+
+# "module:attr" or "module:Class.method", kept eager in turn
+PIECES = {
+    "I": ["interdomain:S4DCore._discretize", "interdomain:rope", "interdomain:feature_map", "interdomain:HeadNorm.forward",
+          "interdomain:causal_conv", "interdomain:_Input.forward", "interdomain:InterdomainMixer.mix"],
+    "G": ["nats:NatsLayer._conv", "nats:NatsLayer._inputs", "nats:NatsLayer._merge", "nats:_rms",
+          "nats:NatsLayer._mix", "nats:NatsLayer.forward"],
+}
+
+
+def keep_eager(piece: str) -> None:
+    import torch
+
+    module_name, attr = piece.split(":")
+    owner = importlib.import_module(f"megahybrid.model.mixers.{module_name}")
+    *path, name = attr.split(".")
+    for part in path:
+        owner = getattr(owner, part)
+    setattr(owner, name, torch.compiler.disable(getattr(owner, name)))
+
+
+def child(pattern: str, piece: str, preset: str, seq: int) -> None:
+    from tests.test_train_gpu import _train
+
+    if piece not in ("none", "module", "eager"):
+        keep_eager(piece)
+    with tempfile.TemporaryDirectory() as run_dir:
+        steps = _train(0, 1, pattern, piece != "eager", run_dir, preset, seq, force=piece != "module")
+    print(MARK + json.dumps([round(s["loss"], 4) for s in steps]), flush=True)
+
+
+def launch(pattern: str, piece: str, args) -> subprocess.Popen:
+    from tests.dist import free_port
+
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1",
+               LOCAL_RANK="0", PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", pattern, piece, "--preset", args.preset,
+           "--seq", str(args.seq)]
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--patterns", nargs="+", default=["I", "G"])
+    parser.add_argument("--also", nargs="*", default=["D", "N", "INSG", "S"],
+                        help="patterns run only eager and with the default (whole mixer module eager)")
+    parser.add_argument("--preset", default="125m")
+    parser.add_argument("--seq", type=int, default=1024)
+    parser.add_argument("--timeout-s", type=float, default=300, help="for all runs together")
+    parser.add_argument("--child", nargs=2, default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        child(*args.child, args.preset, args.seq)
+        return 0
+    runs = [(p, piece) for p in args.patterns for piece in ["eager", "none", "module", *PIECES[p[0]]]]
+    runs += [(p, piece) for p in args.also for piece in ("eager", "module")]
+    procs = {run: launch(*run, args) for run in runs}
+    deadline = time.monotonic() + args.timeout_s
+    for (pattern, piece), proc in procs.items():
+        result = outcome(proc, max(1.0, deadline - time.monotonic()))
+        print(f"{pattern:5s} {piece:36s} {result}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
