@@ -14,7 +14,7 @@ import yaml
 from megahybrid.data.config import DataConfig
 from megahybrid.errors import ConfigError
 from megahybrid.model.config import preset
-from megahybrid.model.mixers import check_context_parallel, max_chunk_size
+from megahybrid.model.mixers import check_context_parallel, eager_mixers, max_chunk_size
 from megahybrid.parallel import ParallelLayout
 
 PACKAGE_CONFIGS = Path(__file__).resolve().parent.parent / "configs"
@@ -86,9 +86,9 @@ class TrainSection:
     deepspeed_config: str = "zero1"
     deterministic: bool = False
     max_consecutive_nonfinite: int = 5
-    # torch.compile the model through the DeepSpeed engine: auto = on with a GPU (measured faster, issue #15), off
-    # on CPU; true / false force it. Mixers that fault when compiled on a GPU stay eager inside the compiled model
-    # (mixers.eager_mixer_modules).
+    # torch.compile the model through the DeepSpeed engine: auto = on with a GPU (measured faster, issue #15) for
+    # patterns whose mixers all compile there, else off; true / false force it. Under true the mixers that fault
+    # when compiled on a GPU stay eager inside the compiled model (mixers.eager_mixer_modules).
     compile: bool | str = "auto"
 
 
@@ -322,7 +322,7 @@ def validate(cfg: RunConfig, world_size: int, has_gpu: bool, check_data: bool = 
     _check_numbers(cfg)
     _check_batch(cfg, layout)
     precision = resolved_precision(cfg, has_gpu)
-    resolved_compile(cfg, has_gpu)
+    resolved_compile(cfg, has_gpu, model.pattern)
     ds = load_deepspeed_config(cfg.train.deepspeed_config)
     _check_zero(ds, has_gpu)
     if check_data and not cfg.data.builtin and not cfg.data.synthetic:
@@ -384,11 +384,13 @@ def resolved_precision(cfg: RunConfig, has_gpu: bool) -> str:
     return value
 
 
-def resolved_compile(cfg: RunConfig, has_gpu: bool) -> bool:
+def resolved_compile(cfg: RunConfig, has_gpu: bool, pattern: str) -> bool:
+    """auto compiles on a GPU when every mixer of the pattern compiles there (measured, issue #15); true compiles
+    whatever the pattern, the mixers that fault kept eager inside the compiled model (Trainer.compile_model)."""
     value = cfg.train.compile
     if value not in (True, False, "auto"):
         raise ConfigError(f"train.compile={value!r}: choose auto (on with a GPU, off on CPU), true or false")
-    return has_gpu if value == "auto" else value
+    return has_gpu and not eager_mixers(pattern) if value == "auto" else value
 
 
 def resolve_deepspeed_path(name_or_path: str) -> Path:

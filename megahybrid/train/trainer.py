@@ -24,7 +24,7 @@ from megahybrid.distributed import init_distributed, shutdown
 from megahybrid.errors import EXIT_USER_ERROR, UserError
 from megahybrid.model.config import count_parameters
 from megahybrid.model.cp import shard_batch
-from megahybrid.model.mixers import cp_bytes_per_layer, eager_mixer_modules, state_floats
+from megahybrid.model.mixers import cp_bytes_per_layer, eager_mixer_modules, eager_mixers, state_floats
 from megahybrid.outputs import check_writable
 from megahybrid.train import rundir
 from megahybrid.train.checkpoint import TRAINER_STATE, CheckpointManager, all_gather
@@ -93,7 +93,7 @@ class Trainer:
         self.init_source = self._init_weights(resume)
         self.engine, self.optimizer, self.ds_config = build_engine(
             self.model, self.cfg, self.groups, plan.ds_base, plan.precision)
-        self.compiled = resolved_compile(self.cfg, torch.cuda.is_available())
+        self.compiled = resolved_compile(self.cfg, torch.cuda.is_available(), plan.model.pattern)
         if self.compiled:
             compile_model(self.engine, plan.model)
         self.gas = self.engine.gradient_accumulation_steps()
@@ -287,6 +287,10 @@ class Trainer:
             self.logger.progress(self.step, {**values, "perf/tokens_per_s": values["perf/tokens_per_s"] * scale,
                                              "perf/tflops_per_gpu": tflops * scale, "perf/mfu": values["perf/mfu"] * scale})
 
+    def _compile_text(self) -> str:
+        eager = eager_mixers(self.plan.model.pattern) if self.compiled else []
+        return f"True(eager mixers: {''.join(c[0] for c in eager)})" if eager else str(self.compiled)
+
     def print_start(self) -> None:
         if not self.is_logger:
             return
@@ -295,7 +299,7 @@ class Trainer:
             f"# derived: world_size={self.plan.world_size} tp={lay.tp} cp={lay.cp} dp={lay.dp} "
             f"grad_accumulation={self.gas} precision={self.plan.precision} zero_stage={zero_stage(self.ds_config)} "
             f"params={self.num_params / 1e6:.2f}M flops_per_token={self.flops_per_token:.3e} "
-            f"compile={self.compiled} device={self.engine.device} "
+            f"compile={self._compile_text()} device={self.engine.device} "
             f"{_state_line(self.plan.model, lay.cp, self.plan.precision)}"
         )
         text = self.cfg.to_yaml() + derived

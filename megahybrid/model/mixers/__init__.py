@@ -99,6 +99,11 @@ def check_context_parallel(pattern: str, cp: int) -> None:
         )
 
 
+def eager_mixers(pattern: str) -> list[str]:
+    """The pattern's mixers that a compiled model keeps eager (see eager_mixer_modules), as `C (name)`."""
+    return [f"{c} ({mixer_for(c).name})" for c in dict.fromkeys(pattern) if not mixer_for(c).gpu_compile]
+
+
 def eager_mixer_modules(cfg) -> tuple[type, ...]:
     """Module classes of the pattern's mixers that a compiled model runs eager. Measured on the H200 (torch 2.11,
     Triton 3.6, tools/train_smoke.py): compiling the I, D, N or G layers' own elementwise / conv code gives an
