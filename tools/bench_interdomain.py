@@ -20,10 +20,10 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from kernels.interdomain import DEFAULT_PLAN, interdomain_attention, interdomain_step  # noqa: E402
-from kernels.interdomain import readout as ro  # noqa: E402
-from kernels.interdomain import scan as sc  # noqa: E402
-from kernels.interdomain.chunk import interdomain_bwd, interdomain_fwd  # noqa: E402
+from megahybrid_kernels.interdomain import DEFAULT_PLAN, interdomain_attention, interdomain_step  # noqa: E402
+from megahybrid_kernels.interdomain import readout as ro  # noqa: E402
+from megahybrid_kernels.interdomain import scan as sc  # noqa: E402
+from megahybrid_kernels.interdomain.chunk import interdomain_bwd, interdomain_fwd  # noqa: E402
 from tools.benchutil import format_table, matmul_peak_tflops, peak_memory_mib, save_results, time_ms  # noqa: E402
 
 TOKENS, H, D = 65536, 16, 128
@@ -252,7 +252,7 @@ def row(name, T, M, res):
 def decode_step(B, M):
     """Microseconds of one interdomain_step call (one token, B rows, H heads, K = V = 128, bf16), and of its kernel
     replayed from a CUDA graph (no host work: what a graph-captured decode loop pays)."""
-    from kernels.interdomain.recurrent import interdomain_recurrent_fwd
+    from megahybrid_kernels.interdomain.recurrent import interdomain_recurrent_fwd
 
     q, k, v = (torch.randn(B, 1, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     decay = torch.stack((-torch.rand(H, M, device="cuda") * 0.2, torch.rand(H, M, device="cuda")), -1)

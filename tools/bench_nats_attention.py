@@ -14,7 +14,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from kernels.nats.attention import chunk as attn  # noqa: E402
+from megahybrid_kernels.nats.attention import chunk as attn  # noqa: E402
 from tools.benchutil import format_table, save_results, time_ms  # noqa: E402
 
 TOKENS, H, D, C = 65536, 16, 64, 64

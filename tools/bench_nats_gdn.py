@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from kernels.nats import chunk_selected_gdn  # noqa: E402
+from megahybrid_kernels.nats import chunk_selected_gdn  # noqa: E402
 from tools.benchutil import format_table, peak_memory_mib, save_results, time_ms  # noqa: E402
 
 TOKENS, H, K, V = 65536, 8, 128, 256
@@ -95,7 +95,7 @@ def kernel_breakdown(T: int = 4096, frac: float = 0.25, reps: int = 5) -> None:
 
 def main():
     rows, fla = [], fla_op()
-    extra = {"shape": f"B*T={TOKENS}, H={H}, K={K}, V={V}, bf16, chunk 64", "op": "kernels.nats.chunk_selected_gdn"}
+    extra = {"shape": f"B*T={TOKENS}, H={H}, K={K}, V={V}, bf16, chunk 64", "op": "megahybrid_kernels.nats.chunk_selected_gdn"}
     for T in LENGTHS:
         rows += bench_length(T, fla)
         path = save_results("nats-gdn", rows, extra)  # after every length, so a cut-off run still reports

@@ -27,8 +27,8 @@ def launch_all(kernel, bm, bd, timed=False):
     import triton
 
     sys.path.insert(0, str(ROOT))
-    from kernels.interdomain import readout as ch
-    from kernels.interdomain.scan import powers, scan
+    from megahybrid_kernels.interdomain import readout as ch
+    from megahybrid_kernels.interdomain.scan import powers, scan
 
     B, T, H, D, M, C = 2, 1000, 3, 128, 32, 64
     g = torch.Generator(device="cuda").manual_seed(0)

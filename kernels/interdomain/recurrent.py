@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._triton import interpreting
+from megahybrid_kernels._triton import interpreting
 
 from .checks import check_inputs
 from .chunk import interdomain_attention

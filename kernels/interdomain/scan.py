@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._triton import interpreting, next_pow2
+from megahybrid_kernels._triton import interpreting, next_pow2
 
 from .utils import DEFAULT_PLAN, InterdomainPlan, cmul, dot_precision, lam_pow
 

@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._triton import interpreting, use_torch_path
+from megahybrid_kernels._triton import interpreting, use_torch_path
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,9 @@ from megahybrid.model.mixers import check_context_parallel, eager_mixers, max_ch
 from megahybrid.parallel import ParallelLayout
 
 PACKAGE_CONFIGS = Path(__file__).resolve().parent.parent / "configs"
-REPO_DS_CONFIGS = Path(__file__).resolve().parent.parent.parent / "ds_configs"
+# ds_configs/ of the checkout (editable install, PYTHONPATH) or its installed copy megahybrid/ds_configs (wheel)
+DS_CONFIG_DIRS = (Path(__file__).resolve().parent.parent.parent / "ds_configs",
+                  Path(__file__).resolve().parent.parent / "ds_configs")
 # DeepSpeed keys our config owns; a DeepSpeed JSON that sets them is rejected so nothing is set twice.
 OWNED_DS_KEYS = (
     "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "gradient_clipping",
@@ -397,7 +399,7 @@ def resolve_deepspeed_path(name_or_path: str) -> Path:
     path = Path(name_or_path)
     if path.is_file():
         return path
-    for root in (Path.cwd() / "ds_configs", REPO_DS_CONFIGS):
+    for root in (Path.cwd() / "ds_configs", *DS_CONFIG_DIRS):
         candidate = root / f"{name_or_path.removesuffix('.json')}.json"
         if candidate.is_file():
             return candidate

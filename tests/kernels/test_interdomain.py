@@ -5,9 +5,9 @@ import re
 import pytest
 import torch
 
-from kernels.interdomain import (DEFAULT_PLAN, InterdomainPlan, interdomain_attention, interdomain_recurrent,
+from megahybrid_kernels.interdomain import (DEFAULT_PLAN, InterdomainPlan, interdomain_attention, interdomain_recurrent,
                                  interdomain_step)
-from kernels.interdomain.naive import interdomain_attention_naive
+from megahybrid_kernels.interdomain.naive import interdomain_attention_naive
 from tests.utils import assert_close, rel_rms_error, requires_gpu, test_device
 
 DEV = test_device()
@@ -174,7 +174,7 @@ def test_fwd_forms_match_naive(nan_empty, fwd_form, T, M, normalize):
 def test_scan_from_segment_starts(segmented):
     """A scan given an earlier scan's segment starts (the backward's recomputation) stores the same states; starts
     of another segmentation are refused."""
-    from kernels.interdomain.scan import powers, scan
+    from megahybrid_kernels.interdomain.scan import powers, scan
 
     q, k, v, decay, b, u0, _ = make_inputs(2, 300, 2, 16, 24, 8)
     pw = powers(decay, 32)

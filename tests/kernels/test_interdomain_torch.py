@@ -5,10 +5,10 @@ import re
 import pytest
 import torch
 
-from kernels import interdomain
-from kernels.interdomain import (interdomain_attention, interdomain_readout, interdomain_recurrent,
+from megahybrid_kernels import interdomain
+from megahybrid_kernels.interdomain import (interdomain_attention, interdomain_readout, interdomain_recurrent,
                                  interdomain_step, uses_torch_path)
-from kernels.interdomain.naive import interdomain_attention_naive
+from megahybrid_kernels.interdomain.naive import interdomain_attention_naive
 from tests.kernels.test_interdomain import BF16_GRAD_TOL, BF16_TOL, FP32_TOL, make_inputs, run_op
 from tests.utils import assert_close, rel_rms_error, requires_gpu
 
@@ -202,7 +202,7 @@ def test_interdomain_readout_matches_loop(nan_empty, T):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("B,T,H", [(1, 4096, 12), (1, 1000, 32)])
 def test_presets_shapes_gpu(nan_empty, dtype, B, T, H):
-    from kernels.interdomain import torch_chunk
+    from megahybrid_kernels.interdomain import torch_chunk
 
     inputs = make_inputs(B, T, H, 64, 64, 64, dtype=dtype, device="cuda")
     o, st, grads = run_op(interdomain_attention, inputs, False)

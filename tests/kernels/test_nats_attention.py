@@ -6,14 +6,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.nats.attention import (
+from megahybrid_kernels.nats.attention import (
     chunk_selected_attention,
     naive_chunk_selected_attention,
     selected_attention_prefill,
     selected_attention_step,
 )
-from kernels.nats.attention import chunk as attention_chunk
-from kernels.nats.attention.chunk import chunk_selected_attention_fwd
+from megahybrid_kernels.nats.attention import chunk as attention_chunk
+from megahybrid_kernels.nats.attention.chunk import chunk_selected_attention_fwd
 from tests.utils import assert_close, requires_gpu, test_device
 
 # fp32: the kernels use exact fp32 products (input_precision="ieee"), so errors are at rounding level.

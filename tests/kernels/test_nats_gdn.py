@@ -11,9 +11,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.nats import chunk_selected_gdn, chunk_selected_gdn_step
-from kernels.nats.gdn import chunk as gdn_chunk
-from kernels.nats.gdn import naive_chunk_selected_gdn
+from megahybrid_kernels.nats import chunk_selected_gdn, chunk_selected_gdn_step
+from megahybrid_kernels.nats.gdn import chunk as gdn_chunk
+from megahybrid_kernels.nats.gdn import naive_chunk_selected_gdn
 from tests.utils import HAS_CUDA, assert_close, nan_poisoned_empty, rel_rms_error, requires_gpu, test_device
 
 DEV = test_device()

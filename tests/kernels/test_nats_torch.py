@@ -3,11 +3,11 @@ gradient including keep's straight-through gradient), and the public ops' choice
 import pytest
 import torch
 
-from kernels.nats import chunk_selected_attention, chunk_selected_gdn
-from kernels.nats.attention import naive_chunk_selected_attention
-from kernels.nats.attention.torch_chunk import torch_chunk_selected_attention
-from kernels.nats.gdn import naive_chunk_selected_gdn
-from kernels.nats.gdn.torch_chunk import torch_chunk_selected_gdn
+from megahybrid_kernels.nats import chunk_selected_attention, chunk_selected_gdn
+from megahybrid_kernels.nats.attention import naive_chunk_selected_attention
+from megahybrid_kernels.nats.attention.torch_chunk import torch_chunk_selected_attention
+from megahybrid_kernels.nats.gdn import naive_chunk_selected_gdn
+from megahybrid_kernels.nats.gdn.torch_chunk import torch_chunk_selected_gdn
 from tests.kernels import test_nats_attention as attn_tests
 from tests.kernels import test_nats_gdn as gdn_tests
 from tests.utils import assert_close
@@ -69,7 +69,7 @@ def test_attention_torch_matches_naive(T):
 
 @pytest.mark.parametrize("C", [16, 128])
 def test_attention_torch_chunk_sizes_and_query_blocks(C, monkeypatch):
-    from kernels.nats.attention import torch_chunk
+    from megahybrid_kernels.nats.attention import torch_chunk
     monkeypatch.setattr(torch_chunk, "QUERY_BLOCK", 2 * C)  # several query blocks, the last one partial
     attention_case(5 * C + 7, C, 8, 8, seed=C)
 

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from kernels.interdomain.s4d import s4d_contraction, s4d_contraction_naive, s4d_contraction_step
+from megahybrid_kernels.interdomain.s4d import s4d_contraction, s4d_contraction_naive, s4d_contraction_step
 from tests.utils import assert_close, test_device
 
 TOL = 1e-5  # fp32 relative RMS error; the chunked path only reorders sums

@@ -157,8 +157,8 @@ SUMMARY_TOL = 1e-5  # fp32: the closed form against the chunked recurrences' sum
 def test_cp_shard_summary_is_the_zero_start_final_state():
     """Context parallelism's closed-form shard summary equals both ops' final state from a zero start (the
     normalized readout's eta included), over a shard that is not a whole number of chunks."""
-    from kernels.interdomain import interdomain_attention
-    from kernels.interdomain.s4d import s4d_contraction
+    from megahybrid_kernels.interdomain import interdomain_attention
+    from megahybrid_kernels.interdomain.s4d import s4d_contraction
     from megahybrid.model.mixers.interdomain import shard_summary
     from tests.utils import assert_close
 

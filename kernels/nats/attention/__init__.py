@@ -1,7 +1,7 @@
 """Attention over selected chunks (NAtS-L attention branch): naive reference, Triton kernels, decode step."""
-from kernels.nats.attention.chunk import chunk_selected_attention
-from kernels.nats.attention.naive import naive_chunk_selected_attention
-from kernels.nats.attention.recurrent import (
+from megahybrid_kernels.nats.attention.chunk import chunk_selected_attention
+from megahybrid_kernels.nats.attention.naive import naive_chunk_selected_attention
+from megahybrid_kernels.nats.attention.recurrent import (
     SelectedAttentionCache,
     selected_attention_prefill,
     selected_attention_step,

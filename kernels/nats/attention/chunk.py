@@ -11,9 +11,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.nats.attention.torch_chunk import torch_chunk_selected_attention
-from kernels._triton import next_pow2, use_torch_path
-from kernels.nats.checks import check_keep_values
+from megahybrid_kernels.nats.attention.torch_chunk import torch_chunk_selected_attention
+from megahybrid_kernels._triton import next_pow2, use_torch_path
+from megahybrid_kernels.nats.checks import check_keep_values
 
 LOG2E = 1.4426950408889634
 

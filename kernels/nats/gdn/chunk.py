@@ -17,9 +17,9 @@ import triton
 import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
-from kernels._triton import interpreting, next_pow2, use_torch_path
-from kernels.nats.checks import check_keep_values, check_log_decay
-from kernels.nats.gdn.torch_chunk import torch_chunk_selected_gdn
+from megahybrid_kernels._triton import interpreting, next_pow2, use_torch_path
+from megahybrid_kernels.nats.checks import check_keep_values, check_log_decay
+from megahybrid_kernels.nats.gdn.torch_chunk import torch_chunk_selected_gdn
 
 BT = 64
 

@@ -288,7 +288,7 @@ class QueryReadout(torch.nn.Module):
         return (k, v) + ((v.new_ones(*v.shape[:3], 1),) if self.normalize else ())
 
     def forward(self, parts, decay, b, state):
-        from kernels.interdomain import interdomain_attention, interdomain_step
+        from megahybrid_kernels.interdomain import interdomain_attention, interdomain_step
 
         q, k, v = parts["q"], parts.get("k", parts.get("a")), parts.get("v", parts.get("b"))
         C = self.C.float()
@@ -321,7 +321,7 @@ class ContractionReadout(torch.nn.Module):
         return (torch.cat(list(parts.values()), -1),)
 
     def forward(self, parts, decay, b, state):
-        from kernels.interdomain.s4d import s4d_contraction, s4d_contraction_step
+        from megahybrid_kernels.interdomain.s4d import s4d_contraction, s4d_contraction_step
 
         x = torch.cat(list(parts.values()), -1)
         if x.shape[1] == 1:

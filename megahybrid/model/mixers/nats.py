@@ -49,8 +49,8 @@ from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
 
-from kernels.nats import chunk_selected_attention, chunk_selected_gdn, chunk_selected_gdn_step
-from kernels.nats.attention import SelectedAttentionCache, selected_attention_prefill, selected_attention_step
+from megahybrid_kernels.nats import chunk_selected_attention, chunk_selected_gdn, chunk_selected_gdn_step
+from megahybrid_kernels.nats.attention import SelectedAttentionCache, selected_attention_prefill, selected_attention_step
 from megahybrid.errors import ConfigError
 from megahybrid.model.cp import gather_sequence, layer_cp_group, prefix_states_matrix, previous_shard_tail
 from megahybrid.model.mixers import Mixer
