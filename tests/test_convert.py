@@ -233,8 +233,9 @@ def test_unmapped_mixer_is_a_one_line_error(monkeypatch):
         adapter.module_map(preset("tiny"))
 
 
-def _gpu_export(rank, world, root):
-    """A fresh tiny model exported, loaded by transformers on the GPU: logits and greedy generate() vs ours."""
+def _gpu_export(rank, world, root, pattern):
+    """A fresh tiny model exported, loaded by transformers on the GPU (our Triton kernels there): logits and
+    greedy generate() vs ours."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -247,7 +248,7 @@ def _gpu_export(rank, world, root):
     from megahybrid.parallel import ParallelLayout
 
     ensure_local_groups()
-    cfg = preset("tiny")
+    cfg = preset("tiny", pattern=pattern, num_layers=max(2, len(pattern)))
     model = build_model(cfg, ParallelLayout()).eval()
     src = os.path.join(root, "src")
     os.makedirs(src)
@@ -265,10 +266,12 @@ def _gpu_export(rank, world, root):
 
 @pytest.mark.gpu
 @requires_gpu
-def test_exported_model_on_gpu_matches_training_model(tmp_path):
+@pytest.mark.parametrize("pattern", ["S", "I", "D", "N", "G", "INSG"])
+def test_exported_model_on_gpu_matches_training_model(pattern, tmp_path):
     from tests.utils import assert_close
 
-    (theirs, ours), generated, stepwise = run_on_ranks(_gpu_export, 1, str(tmp_path))[0]
+    (theirs, ours), generated, stepwise = run_on_ranks(_gpu_export, 1, str(tmp_path), pattern,
+                                                       env={"TRITON_INTERPRET": "0"})[0]
     assert_close(theirs, ours, LOGITS_TOL, "HF logits on the GPU")
     assert generated.equal(stepwise), (generated, stepwise)
 
