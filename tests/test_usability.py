@@ -184,15 +184,25 @@ def test_bench_train_runs_the_trainer_step_and_the_baseline_on_cpu(tmp_path):
     import json
 
     bench = _tool("bench_train")
-    rc = bench.main(["--rows", "tiny:full:2", "--seq", "128", "--tokens", "512", "--steps", "2", "--warmup", "1",
-                     "--results-dir", str(tmp_path)])
+    rc = bench.main(["--rows", "tiny:full:2", "tiny:none:1:256", "--seq", "128", "--tokens", "512", "--steps", "2",
+                     "--warmup", "1", "--results-dir", str(tmp_path)])
     (path,) = tmp_path.glob("bench_train-*.json")
     saved = json.loads(path.read_text())
     assert rc == 0, saved["rows"]
-    assert [(r["system"], r["recompute"], r["gas"]) for r in saved["rows"]] == [("megahybrid", "full", 2),
-                                                                                ("baseline", "none", 2)]
+    assert [(r["system"], r["recompute"], r["seq"], r["gas"]) for r in saved["rows"]] == [
+        ("megahybrid", "full", 128, 2), ("baseline", "none", 128, 2), ("megahybrid", "none", 256, 2),
+        ("baseline", "none", 256, 2)]
     assert all(r["tok/s"] > 0 and r["TFLOP/s"] > 0 and r["status"] == "ok" for r in saved["rows"])
     assert {"date", "gpu", "commit", "timed", "flops_per_token"} <= set(saved["meta"])
+
+
+def test_bench_train_mixer_suite_covers_every_mixer_at_4k_and_16k():
+    bench = _tool("bench_train")
+    rows = bench.plan_rows(bench.MIXER_SUITE, 4096, baseline=False)
+    tokens = 16 * 4096
+    covered = {(r["preset"].partition("@")[2] or "hybrid", r["seq"]) for r in rows}
+    assert covered == {(m, seq) for m in ("S", "I", "D", "G", "N", "hybrid") for seq in (4096, 16384)}
+    assert all(tokens // r["seq"] % r["micro"] == 0 for r in rows), rows
 
 
 def test_end_of_run_prints_each_mixer_layers_telemetry(capsys):

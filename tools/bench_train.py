@@ -17,8 +17,10 @@ uses the bf16 matmul rate measured at the end of the run.
     python tools/bench_train.py                      # GPU: 125m, 350m, 1.3b at 4K + recompute rows at 1.3b
     python tools/bench_train.py --rows tiny:none:2 --seq 128 --tokens 512 --steps 2 --warmup 1   # CPU smoke
     python tools/bench_train.py --rows 125m@I:none:8 --no-baseline --profile 25     # where a row's time goes
-Rows are PRESET:RECOMPUTE:MICRO with RECOMPUTE one of none, selective, selective_mlp, full; every preset also
-gets a baseline row at the micro-batch of its first row. Results: tools/results/bench_train-<date>.{json,md}.
+    python tools/bench_train.py --suite mixers --no-baseline    # every mixer at 4K and 16K (MIXER_SUITE)
+Rows are PRESET[@PATTERN]:RECOMPUTE:MICRO[:SEQ] with RECOMPUTE one of none, selective, selective_mlp, full and
+SEQ the row's context (default --seq); every (preset, SEQ) also gets a baseline row at the micro-batch of its
+first row. Results: tools/results/bench_train-<date>.{json,md}.
 """
 import argparse
 import json
@@ -43,20 +45,30 @@ RECOMPUTE = {
 COLUMNS = ["system", "preset", "recompute", "micro", "gas", "seq", "compile", "tok/s", "TFLOP/s", "MFU_989",
            "MFU_meas", "peak_GiB", "step_s", "warmup_s", "status"]
 DEFAULT_ROWS = ["125m:none:8", "350m:none:8", "1.3b:none:4", "1.3b:selective_mlp:4", "1.3b:full:4"]
+# --suite mixers: every mixer in its issue's preset shape, at 4K and 16K (issue #20), 16 x 4096 tokens per step
+MIXER_SUITE = [f"{model}:none:{micro}:{seq}" for seq, scale in ((4096, 1), (16384, 4))
+               for model, micro4k in (("125m@S", 8), ("125m@I", 8), ("125m@D", 8), ("natsl-340m", 4),
+                                      ("natsl-340m@G", 4), ("natsl-340m@N", 4), ("natsl-340m@S", 4))
+               for micro in [max(1, micro4k // scale)]]
 
 
-def plan_rows(specs: list[str], baseline: bool = True) -> list[dict]:
-    """megahybrid rows in the given order, each preset's baseline right after its first row (unless not
-    `baseline`). PRESET may carry a pattern, `natsl-340m@G`: the preset's shape with every layer that mixer."""
+def plan_rows(specs: list[str], default_seq: int, baseline: bool = True) -> list[dict]:
+    """megahybrid rows in the given order, each (preset, seq)'s baseline right after its first row (unless not
+    `baseline`). PRESET may carry a pattern, `natsl-340m@G`: the preset's shape with every layer that mixer; SEQ
+    (optional, default --seq) is the row's context."""
     rows, seen = [], set()
     for spec in specs:
-        preset, recompute, micro = spec.split(":")
-        if recompute not in RECOMPUTE:
-            raise SystemExit(f"--rows {spec}: recompute must be one of {', '.join(RECOMPUTE)}")
-        rows.append({"system": "megahybrid", "preset": preset, "recompute": recompute, "micro": int(micro)})
-        if baseline and preset.split("@")[0] not in seen:
-            seen.add(preset.split("@")[0])
-            rows.append({"system": "baseline", "preset": preset, "recompute": "none", "micro": int(micro)})
+        fields = spec.split(":")
+        if len(fields) not in (3, 4) or fields[1] not in RECOMPUTE:
+            raise SystemExit(f"--rows {spec}: want PRESET[@PATTERN]:RECOMPUTE:MICRO[:SEQ], RECOMPUTE one of "
+                             f"{', '.join(RECOMPUTE)}")
+        preset, recompute, micro, seq = *fields[:3], int(fields[3]) if len(fields) == 4 else default_seq
+        rows.append({"system": "megahybrid", "preset": preset, "recompute": recompute, "micro": int(micro),
+                     "seq": seq})
+        if baseline and (preset.split("@")[0], seq) not in seen:
+            seen.add((preset.split("@")[0], seq))
+            rows.append({"system": "baseline", "preset": preset, "recompute": "none", "micro": int(micro),
+                         "seq": seq})
     return rows
 
 
@@ -66,9 +78,9 @@ def megahybrid_step(row: dict, args, run_dir: str):
 
     cfg = from_dict({
         "run_dir": run_dir,
-        "model": {**_preset_fields(row["preset"]), "seq_length": args.seq, **RECOMPUTE[row["recompute"]]},
+        "model": {**_preset_fields(row["preset"]), "seq_length": row["seq"], **RECOMPUTE[row["recompute"]]},
         "data": {"synthetic": True},
-        "batch": {"global_batch_size": args.tokens // args.seq, "micro_batch_size": row["micro"]},
+        "batch": {"global_batch_size": args.tokens // row["seq"], "micro_batch_size": row["micro"]},
         "optimizer": {"warmup_steps": 1},
         "train": {"steps": _total_steps(args), "compile": {"auto": "auto", "true": True, "false": False}[
             args.compile]},
@@ -98,12 +110,12 @@ def baseline_step(row: dict, args):
     from megahybrid.model.config import preset
     from megahybrid.train.data import RandomTokens
 
-    cfg = preset(row["preset"].split("@")[0], seq_length=args.seq)
-    global_batch = args.tokens // args.seq
+    cfg = preset(row["preset"].split("@")[0], seq_length=row["seq"])
+    global_batch = args.tokens // row["seq"]
     gas = global_batch // row["micro"]
     compiled = torch.cuda.is_available() if args.compile == "auto" else args.compile == "true"
     trainer = BaselineTrainer(cfg, row["micro"], gas, compiled, "cuda" if torch.cuda.is_available() else "cpu")
-    data = RandomTokens(global_batch * _total_steps(args), args.seq, cfg.vocab_size, seed=1234)
+    data = RandomTokens(global_batch * _total_steps(args), row["seq"], cfg.vocab_size, seed=1234)
     batches = iter(MicroBatchLoader(data, global_batch, row["micro"]))
     return (lambda: trainer.step(batches)), cfg, compiled, gas
 
@@ -141,9 +153,9 @@ def run_child(row: dict, args) -> dict:
         if args.profile:
             print_profile(step, args.profile, f"{row['system']} {row['preset']}")
         shutdown()
-    tok_s = args.tokens // args.seq * args.seq / timing["step_s"]
+    tok_s = args.tokens // row["seq"] * row["seq"] / timing["step_s"]
     tflops = flops_per_token(cfg) * tok_s / 1e12
-    return {**row, "seq": args.seq, "gas": gas, "compile": compiled, "tok/s": tok_s, "TFLOP/s": tflops,
+    return {**row, "gas": gas, "compile": compiled, "tok/s": tok_s, "TFLOP/s": tflops,
             "MFU_989": tflops / DATASHEET_TFLOPS, **timing, "status": "ok"}
 
 
@@ -199,8 +211,9 @@ def _failure_line(text: str) -> str:
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rows", nargs="+", default=DEFAULT_ROWS, help="PRESET:RECOMPUTE:MICRO ...")
-    parser.add_argument("--seq", type=int, default=4096)
+    parser.add_argument("--rows", nargs="+", default=DEFAULT_ROWS, help="PRESET[@PATTERN]:RECOMPUTE:MICRO[:SEQ] ...")
+    parser.add_argument("--suite", choices=["mixers"], default=None, help="instead of --rows: MIXER_SUITE")
+    parser.add_argument("--seq", type=int, default=4096, help="context of rows without their own SEQ")
     parser.add_argument("--tokens", type=int, default=16 * 4096, help="tokens per optimizer step")
     parser.add_argument("--steps", type=int, default=8, help="timed steps")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation happens here)")
@@ -228,7 +241,8 @@ def main(argv=None) -> int:
     from benchutil import format_table, save_results
 
     deadline, done = time.monotonic() + args.budget_s, []
-    for row in plan_rows(args.rows, baseline=not args.no_baseline):
+    specs = MIXER_SUITE if args.suite == "mixers" else args.rows
+    for row in plan_rows(specs, args.seq, baseline=not args.no_baseline):
         left = deadline - time.monotonic()
         timeout = min(left, args.row_timeout_s)
         result = run_row(row, _shared_argv(args), timeout) if left > 10 else {**row, "status": "skipped: budget"}
