@@ -21,11 +21,44 @@ from tools.train_smoke import MARK, outcome  # noqa: E402
 
 # "module:attr" or "module:Class.method", kept eager in turn
 PIECES = {
-    "I": ["interdomain:S4DCore._discretize", "interdomain:rope", "interdomain:feature_map", "interdomain:HeadNorm.forward",
+    "I": ["fresh-op-io", "interdomain:S4DCore._discretize", "interdomain:rope", "interdomain:feature_map", "interdomain:HeadNorm.forward",
           "interdomain:causal_conv", "interdomain:_Input.forward", "interdomain:InterdomainMixer.mix"],
-    "G": ["nats:NatsLayer._conv", "nats:NatsLayer._inputs", "nats:NatsLayer._merge", "nats:_rms",
+    "G": ["fresh-op-io", "nats:NatsLayer._conv", "nats:NatsLayer._inputs", "nats:NatsLayer._merge", "nats:_rms",
           "nats:NatsLayer._mix", "nats:NatsLayer.forward"],
 }
+
+
+def fresh_op_io() -> None:
+    """Our ops' inputs, outputs and gradients as fresh (16-byte aligned, contiguous) copies: tests whether the
+    fault is an inductor graph assuming aligned tensors that an op hands it as views (compiled backward graphs
+    take the ops' input gradients as tangents)."""
+    import torch
+
+    import megahybrid_kernels.interdomain as interdomain_ops
+    from megahybrid.model.mixers import nats
+
+    class Fresh(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone(memory_format=torch.contiguous_format)
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad.clone(memory_format=torch.contiguous_format)
+
+    def fresh(x):
+        return Fresh.apply(x) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
+
+    def wrap(op):
+        @torch.compiler.disable
+        def call(*args, **kwargs):
+            out = op(*map(fresh, args), **{k: fresh(v) for k, v in kwargs.items()})
+            return tuple(map(fresh, out)) if isinstance(out, tuple) else fresh(out)
+        return call
+
+    for owner, name in ((nats, "chunk_selected_gdn"), (nats, "chunk_selected_attention"),
+                        (interdomain_ops, "interdomain_attention")):
+        setattr(owner, name, wrap(getattr(owner, name)))
 
 
 def keep_eager(piece: str) -> None:
@@ -42,7 +75,9 @@ def keep_eager(piece: str) -> None:
 def child(pattern: str, piece: str, preset: str, seq: int) -> None:
     from tests.test_train_gpu import _train
 
-    if piece not in ("none", "module", "eager"):
+    if piece == "fresh-op-io":
+        fresh_op_io()
+    elif piece not in ("none", "module", "eager"):
         keep_eager(piece)
     with tempfile.TemporaryDirectory() as run_dir:
         steps = _train(0, 1, pattern, piece != "eager", run_dir, preset, seq, force=piece != "module")
