@@ -103,9 +103,11 @@ def test_extended_run_keeps_its_lr_schedule_and_printed_commands_work(data_dir, 
     resume = _printed(stdout, "resume: ")
     assert resume[:3] == [sys.executable, "-m", "megahybrid"], resume
     # Recomputation does not change the weights: a run resumes across it.
-    extend = ["train.steps=8", "optimizer.reschedule=true", "model.recompute=full"]
+    extend = ["train.steps=8", "optimizer.reschedule=true", "model.recompute=full", "logging.tensorboard=false"]
     rerun = subprocess.run(resume + extend, env=_env(), capture_output=True, text=True, timeout=300)
     assert rerun.returncode == 0, rerun.stderr[-3000:]
+    printed = [line.split(" ")[0] for line in rerun.stdout.splitlines()]
+    assert "resume:" in printed and "tensorboard:" not in printed  # no command for logs that were not written
     lrs = _records(run_dir, "train/lr")
     assert lrs[7] == pytest.approx(LRSchedule(3e-3, 3e-4, 1, 8)(6)) and lrs[7] > 2 * lrs[6], lrs
     tensorboard = _printed(stdout, "tensorboard: ")

@@ -368,8 +368,10 @@ class Trainer:
         where = "" if world == 1 else "; on one node, else with your torchrun / srun / mpirun line"
         config = shlex.quote(os.path.join(self.cfg.run_dir, "config.yaml"))
         print(f"resume: {python} -m megahybrid train {ranks}--config {config} [train.steps=N to go further] "
-              f"(continues from {self.cfg.checkpoint_dir}/latest{where})\n"
-              f"tensorboard: {python} -m tensorboard.main --logdir {shlex.quote(self.cfg.tensorboard_dir)}", flush=True)
+              f"(continues from {self.cfg.checkpoint_dir}/latest{where})", flush=True)
+        if self.cfg.logging.tensorboard:
+            print(f"tensorboard: {python} -m tensorboard.main --logdir {shlex.quote(self.cfg.tensorboard_dir)}",
+                  flush=True)
 
 
     def _print_telemetry(self) -> None:
