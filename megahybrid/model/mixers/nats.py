@@ -378,18 +378,47 @@ def _shard_gdn(group):
 
 
 def _shard_attention(group):
-    """chunk_selected_attention for this CP rank's shard (module docstring, (3)): keys, values and keep decisions
-    of this and every earlier shard, this shard's queries after zero ones."""
+    """chunk_selected_attention for this CP rank's shard (module docstring, (3)): this shard's queries over the
+    kept chunks of every earlier shard, compacted, then this shard with its own keep decisions."""
 
     def attention(q, k, v, keep, scale):
-        S = k.shape[1]
-        visible = S * (torch.distributed.get_rank(group) + 1)
-        k_all, v_all = (gather_sequence(x, 1, group)[:, :visible] for x in (k, v))
-        keep_all = gather_sequence(keep, 2, group)[:, :, :visible // CHUNK]
-        q_all = torch.cat([q.new_zeros(q.shape[0], visible - S, *q.shape[2:]), q], 1)
-        return chunk_selected_attention(q_all, k_all, v_all, keep_all, scale=scale)[:, visible - S:]
+        count = (keep.detach() == 1).sum(-1).amax().reshape(1)
+        torch.distributed.all_reduce(count, torch.distributed.ReduceOp.MAX, group=group)
+        slots = max(1, int(count))  # one all-padding slot when nothing is kept: every rank's shapes still agree
+        kv, kept = compact_kept_chunks(torch.cat([k, v], -1), keep, slots)
+        rank = torch.distributed.get_rank(group)
+        # Every rank, rank 0 with an empty prefix, slices both gathered tensors, so every rank runs their backward.
+        prefix_kv = gather_sequence(kv, 1, group)[:, :rank * slots * CHUNK]
+        prefix_keep = gather_sequence(kept, 2, group)[:, :, :rank * slots]
+        prefix_k, prefix_v = prefix_kv.split([k.shape[-1], v.shape[-1]], -1)
+        return attend_after_prefix(q, k, v, keep, prefix_k, prefix_v, prefix_keep, scale)
 
     return attention
+
+
+def compact_kept_chunks(x: torch.Tensor, keep: torch.Tensor, slots: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per (batch, head), the chunks of x [B, S, H, D] whose keep [B, H, S/64] is 1, in order, in the first of
+    `slots` chunk slots: [B, slots*64, H, D] (padding zero) and their keep entries [B, H, slots] (padding 0).
+    Gathers, so gradients (keep's straight-through one included) return to the chosen chunks."""
+    B, S, H, D = x.shape
+    NC = S // CHUNK
+    order = torch.arange(NC, device=keep.device).expand_as(keep)
+    picked = torch.where(keep.detach() == 1, order, NC).sort(-1).values[..., :slots]  # NC marks padding
+    real, index = picked < NC, picked.clamp(max=NC - 1)
+    chunks = x.reshape(B, NC, CHUNK, H, D).permute(0, 3, 1, 2, 4)
+    rows = chunks.gather(2, index[..., None, None].expand(B, H, slots, CHUNK, D))
+    rows = torch.where(real[..., None, None], rows, 0)
+    return rows.permute(0, 2, 3, 1, 4).reshape(B, slots * CHUNK, H, D), torch.where(real, keep.gather(2, index), 0)
+
+
+def attend_after_prefix(q, k, v, keep, prefix_k, prefix_v, prefix_keep, scale):
+    """chunk_selected_attention of q over [prefix, own keys]: one op call with zero queries ahead of q's (their
+    outputs are dropped, their gradients are zero), so a prefix chunk with keep 1 is seen by every query, one
+    with keep 0 by none."""
+    P = prefix_k.shape[1]
+    q_all = torch.cat([q.new_zeros(q.shape[0], P, *q.shape[2:]), q], 1)
+    k_all, v_all = torch.cat([prefix_k, k], 1), torch.cat([prefix_v, v], 1)
+    return chunk_selected_attention(q_all, k_all, v_all, torch.cat([prefix_keep, keep], 2), scale=scale)[:, P:]
 
 
 def _spec(select: bool):
