@@ -143,3 +143,23 @@ def test_shard_attention_on_ranks_sends_only_kept_chunks():
         for r in results:
             assert r[kind][2] == [slots * 64 * dense_kv // S, B * H * slots * 4], (kind, r[kind][2])
     assert results[0]["quarter"][2][0] * 4 == dense_kv
+
+
+@pytest.mark.parametrize("kept", [0.0, 0.25, 1.0])
+def test_cp_bytes_count_the_compacted_pieces(kept):
+    """nats_cp_bytes of `N` over `G` (the attention branch's share) at model.nats.kept_fraction is 3 (cp - 1)
+    times the pieces compact_kept_chunks builds for a bf16 shard with that share of each head's chunks kept."""
+    import dataclasses
+
+    from megahybrid.model.config import preset
+    from megahybrid.model.mixers.nats import compact_kept_chunks, nats_cp_bytes
+
+    cfg = preset("tiny", pattern="N", seq_length=1024)
+    cfg = dataclasses.replace(cfg, nats=dataclasses.replace(cfg.nats, kept_fraction=kept))
+    o, shard, cp = cfg.nats, 512, 2
+    x = torch.zeros(1, shard, o.attention_heads, o.attn_qk_dim + o.attn_v_dim, dtype=torch.bfloat16)
+    keep = torch.zeros(1, o.attention_heads, shard // 64)
+    keep[..., :round(kept * shard // 64)] = 1
+    slots = max(1, int((keep == 1).sum(-1).max()))
+    piece = sum(t.numel() * t.element_size() for t in compact_kept_chunks(x, keep, slots))
+    assert nats_cp_bytes(cfg, cp, 2) - nats_cp_bytes(cfg, cp, 2, select=False) == 3 * (cp - 1) * piece

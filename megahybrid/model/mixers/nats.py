@@ -27,12 +27,17 @@ and acts on every value column alike. One run of the op with value width K + V f
 values [0 | v] therefore gives [Phi | S_loc] as its final state and [o_Phi | o_loc] as its outputs, where o_Phi
 is scale Phi_t^T q_t; `prefix_states_matrix` over the all-gathered (S_loc, Phi) gives the true S_0, and the
 outputs are o_loc + S_0^T o_Phi (`_shard_gdn`, exact; the same one core pass whether or not there is an earlier
-shard, so no rerun). (3) Attention: gather-then-mask, not compacted: every rank all-gathers the attention view's
-K, V and keep decisions of the whole sequence and keeps those of its own and earlier shards; the op runs over that
-prefix with zero queries ahead of this shard's (their outputs are dropped and their gradient is zero), so
-visibility and the straight-through keep gradient are the op's own (`_shard_attention`). This sends every chunk,
-kept or not (cp_bytes counts that), and computes the zero queries' rows too; compacting the kept chunks of
-earlier shards is the efficient form, not built. Gradients reach earlier ranks through every all-gather.
+shard, so no rerun). (3) Attention, kept chunks only: each rank packs, per (batch, head), its shard's chunks
+with keep 1 in order into the first of C chunk slots (C the largest kept count over batch, heads and CP ranks,
+from one MAX all-reduce of the counts, so every rank's piece has one shape; at least 1, all padding when nothing
+is kept), their keep entries gathered along (an earlier shard's chunk gets its straight-through keep gradient
+back), padding zero with keep 0, and all-gathers the K|V and keep pieces. Rank r runs the op once over [the
+pieces of ranks < r, its own shard with its keep decisions] with zero queries ahead of its own (their outputs are
+dropped, their gradients are zero): every kept earlier chunk lies before every local query, so it is seen whole
+whatever its slot, padding by none, and the own shard is the op's as at cp = 1 (`_shard_attention`; the op
+returns no log-sum-exp, so merging a separate prefix pass is not open). Bytes scale with the kept share of the
+most-keeping head (cp_bytes at model.nats.kept_fraction, 1.0 the bound); the zero queries add r * C * 64 rows;
+the count costs one host sync per layer. Gradients reach earlier ranks through every all-gather.
 """
 import math
 from dataclasses import dataclass
@@ -491,13 +496,15 @@ def nats_cp_bytes(cfg, cp: int, element_bytes: int, select: bool = True) -> int:
     the rank's piece forward and all-reduces the gathered gradient, 2 (cp - 1) pieces, backward (gloo has no
     reduce-scatter). Pieces: the conv halo (conv_size - 1 input rows of the q/k/v channels, activation dtype), the
     fp32 GDN summary (state S_loc [K, V] and transition Phi [K, K] per head); for `N` also the attention view's K
-    and V of the whole shard (activation dtype: every chunk, not only the kept ones) and its fp32 keep decisions."""
+    and V of C compacted chunks (activation dtype) and their fp32 keep entries, C = ceil(kept_fraction * S / 64)
+    with model.nats.kept_fraction read as the kept share of the most-keeping (sequence, head, rank), which sizes
+    every piece: the default 1.0 is the bound (every chunk kept). The 8-byte count all-reduce is not counted."""
     o = cfg.nats
     H, K, V = o.gdn_heads, o.gdn_head_dim, o.gdn_value_dim
     piece = (o.conv_size - 1) * H * (2 * K + V) * element_bytes + 4 * H * K * (K + V)
     if select:
-        S = cfg.seq_length // cp
-        piece += S * H * (K + V) * element_bytes + 4 * (S // CHUNK) * o.attention_heads
+        slots = max(1, math.ceil(o.kept_fraction * (cfg.seq_length // cp // CHUNK)))
+        piece += slots * CHUNK * H * (K + V) * element_bytes + 4 * slots * o.attention_heads
     return 3 * (cp - 1) * piece
 
 
