@@ -163,3 +163,26 @@ def test_cp_bytes_count_the_compacted_pieces(kept):
     slots = max(1, int((keep == 1).sum(-1).max()))
     piece = sum(t.numel() * t.element_size() for t in compact_kept_chunks(x, keep, slots))
     assert nats_cp_bytes(cfg, cp, 2) - nats_cp_bytes(cfg, cp, 2, select=False) == 3 * (cp - 1) * piece
+
+
+def test_cp_extra_flops_of_the_state_passing():
+    """`G`: the GDN core at value width K + V minus at V, plus the S_0^T o_Phi correction and the prefix products;
+    `N` adds the zero queries, which shrink with the kept fraction; the start line prints both kinds."""
+    import dataclasses
+
+    from megahybrid.model.config import preset
+    from megahybrid.model.mixers.nats import _gdn_core_flops, nats_cp_flops
+    from megahybrid.train.trainer import _state_line
+
+    cfg = preset("tiny", pattern="NG", seq_length=1024)
+    o, cp = cfg.nats, 4
+    H, K, V = o.gdn_heads, o.gdn_head_dim, o.gdn_value_dim
+    wide = dataclasses.replace(cfg, nats=dataclasses.replace(o, expand_v=o.expand_v + 1))  # V + K
+    prefix = (cp - 1) * 2 * H * K * K * V / (1024 // cp)
+    expected = _gdn_core_flops(wide) - _gdn_core_flops(cfg) + 2 * H * K * V + prefix
+    assert nats_cp_flops(cfg, cp, select=False) == pytest.approx(expected, rel=1e-12)
+    quarter = dataclasses.replace(cfg, nats=dataclasses.replace(o, kept_fraction=0.25))
+    zero_queries = [nats_cp_flops(c, cp) - nats_cp_flops(c, cp, select=False) for c in (cfg, quarter)]
+    assert zero_queries[1] == pytest.approx(zero_queries[0] / 16)  # P = 3 shards' slots: 4 of 4, then 1 of 4
+    line = _state_line(cfg, cp, "bf16")
+    assert f"cp_extra_flops_per_token_per_layer=N:{nats_cp_flops(cfg, cp):.0f},G:" in line

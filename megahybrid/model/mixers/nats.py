@@ -503,16 +503,41 @@ def nats_cp_bytes(cfg, cp: int, element_bytes: int, select: bool = True) -> int:
     H, K, V = o.gdn_heads, o.gdn_head_dim, o.gdn_value_dim
     piece = (o.conv_size - 1) * H * (2 * K + V) * element_bytes + 4 * H * K * (K + V)
     if select:
-        slots = max(1, math.ceil(o.kept_fraction * (cfg.seq_length // cp // CHUNK)))
+        slots = _cp_slots(cfg, cp)
         piece += slots * CHUNK * H * (K + V) * element_bytes + 4 * slots * o.attention_heads
     return 3 * (cp - 1) * piece
 
 
+def _cp_slots(cfg, cp: int) -> int:
+    """C, the compacted chunk slots per rank, at model.nats.kept_fraction (nats_cp_bytes)."""
+    return max(1, math.ceil(cfg.nats.kept_fraction * (cfg.seq_length // cp // CHUNK)))
+
+
+def nats_cp_flops(cfg, cp: int, select: bool = True) -> float:
+    """Forward FLOPs per token that context parallelism adds on the last rank (module docstring, (2) and (3)):
+    the GDN op at value width K + V instead of V (the Phi columns, in _gdn_core_flops' terms), the correction
+    S_0^T o_Phi (2 K V per head), cp - 1 prefix products Phi S ([K, K] x [K, V] per head) per shard; for `N` also
+    the zero queries ahead of the shard, P = (cp - 1) C 64 rows (C as in nats_cp_bytes) over about P^2 / 2
+    prefix keys in all, 2 FLOPs per multiply-add of q k and p v."""
+    if cp == 1:
+        return 0.0
+    o = cfg.nats
+    H, K, V = o.gdn_heads, o.gdn_head_dim, o.gdn_value_dim
+    S = cfg.seq_length // cp
+    flops = 2.0 * H * (3 * K * K + 2 * CHUNK * K) + 2.0 * H * K * V + (cp - 1) * 2.0 * H * K * K * V / S
+    if select:
+        P = (cp - 1) * _cp_slots(cfg, cp) * CHUNK
+        flops += P * P / S * o.attention_heads * (o.attn_qk_dim + o.attn_v_dim)
+    return flops
+
+
 NATSL = Mixer("N", "NAtS-L", _spec(True), nats_params, nats_flops, nats_state_floats, chunk_size=CHUNK, cp=True,
-              cp_bytes=nats_cp_bytes, cache="NAtS-L cache: kept-chunk K/V + open chunk, GDN state + rollback copy, conv tails",
+              cp_bytes=nats_cp_bytes, cp_flops=nats_cp_flops,
+              cache="NAtS-L cache: kept-chunk K/V + open chunk, GDN state + rollback copy, conv tails",
               gpu_compile=False)
 GATED_DELTANET = Mixer(
     "G", "Gated DeltaNet", _spec(False), lambda cfg: nats_params(cfg, False), lambda cfg: nats_flops(cfg, False),
     lambda cfg, context: nats_state_floats(cfg, context, False), chunk_size=CHUNK, cp=True,
     cp_bytes=lambda cfg, cp, element_bytes: nats_cp_bytes(cfg, cp, element_bytes, False),
+    cp_flops=lambda cfg, cp: nats_cp_flops(cfg, cp, False),
     cache="GDN state + conv tails", gpu_compile=False)
