@@ -1,6 +1,7 @@
 """Context parallelism (contiguous shards, megahybrid.model.cp): 3 training steps of the tiny model give the same
 losses and every gradient at cp = 2, 4 and tp = 2 x cp = 2 as on one rank, for every pattern in CP_PATTERNS
-(a mixer joins with one line once its record says cp=True; one launch per group, so `-k nats` runs one group);
+(a mixer joins with one line once its record says cp=True; one launch per group, so `-k nats` runs one group;
+"hybrid" takes every op's torch CPU path);
 plus the state-passing prefix combine."""
 import pytest
 
@@ -12,11 +13,16 @@ GRAD_TOL = 1e-4  # relative RMS error of each full gradient
 # The recurrent mixers' S4D parameters (log_dt, A, B) get gradients summed over every token and mode, which the
 # state passing regroups (closed-form shard summaries, prefix combine): 1.7e-4 seen on log_dt of `IDS` at cp = 2.
 GRAD_TOL_RECURRENT = 1e-3
+# The hybrid after 3 AdamW steps: Adam's first updates are about lr * sign(g), so last-bit differences of
+# near-zero gradient entries become lr-sized parameter differences. INSG at cp = 4: 3e-6 for every gradient after
+# one step, 1.8e-3 on the `N` layer's A_log / dt_bias after three (2.3e-3 with the uncompacted gather before).
+GRAD_TOL_HYBRID = 5e-3
 PREFIX_TOL = 1e-5
 
 CP_PATTERNS = {
     "sid": ("S", "I", "D", "IDS"),
     "nats": ("G", "N", "GNS"),
+    "hybrid": ("INSG",),
 }
 LAYOUTS_2 = {"cp2": dict(cp=2)}
 LAYOUTS_4 = {"cp4": dict(cp=4), "tp2_cp2": dict(tp=2, cp=2), "tp2_cp2_sp": dict(tp=2, cp=2, sequence_parallel=True)}
@@ -30,8 +36,9 @@ def _train_layouts(rank, world, patterns, layouts, steps):
     from megahybrid.parallel import ParallelLayout
 
     def interpreter_for(pattern):
-        # N / G alone: the NAtS-L ops' torch CPU paths; with I / D the Triton interpreter the Interdomain ops need.
-        os.environ["TRITON_INTERPRET"] = "0" if set(pattern) <= set("SNG") else "1"
+        # The "sid" group runs the Interdomain ops' Triton kernels in the interpreter; the other groups take every
+        # op's torch CPU path (as a user's CPU run does), which keeps the hybrid fast.
+        os.environ["TRITON_INTERPRET"] = "1" if pattern in CP_PATTERNS["sid"] and set(pattern) & set("ID") else "0"
 
     cfgs = {p: preset("tiny", pattern=p, num_layers=max(2, len(p)), seq_length=256) for p in patterns}
     return losses_and_grads(cfgs, {name: ParallelLayout.for_world(world, **dims) for name, dims in layouts.items()},
@@ -64,6 +71,7 @@ def test_context_parallel_matches_one_rank(references, group, world, layouts):
             assert losses == pytest.approx(ref_losses, rel=LOSS_TOL), f"{where} losses {losses} vs {ref_losses}"
             assert grads.keys() == ref_grads.keys(), where
             tol = GRAD_TOL_RECURRENT if set(pattern) & set("IDNG") else GRAD_TOL
+            tol = GRAD_TOL_HYBRID if group == "hybrid" else tol
             for key in ref_grads:
                 assert_close(grads[key], ref_grads[key], tol, f"{where} grad {key}")
 

@@ -73,9 +73,10 @@ def test_mixer_records_are_complete():
         assert mixer.params(cfg) > 0 and mixer.flops(cfg) > 2 * mixer.params(cfg) * 0.99
         assert mixer.state_floats(cfg, 4096) > 0
         assert mixer.spec(cfg).module is not None
-        assert (mixer.cp_bytes is not None) == mixer.cp
+        assert (mixer.cp_bytes is not None) == mixer.cp == (mixer.cp_flops is not None)
         if mixer.cp:
             assert mixer.cp_bytes(cfg, 1, 2) == 0 and mixer.cp_bytes(cfg, 2, 2) > 0
+            assert mixer.cp_flops(cfg, 1) == 0 and mixer.cp_flops(cfg, 2) >= 0
 
 
 def test_softmax_state_is_the_kv_cache_and_cp_gate_names_the_mixer(monkeypatch):

@@ -61,7 +61,8 @@ class NatsOptions:
     The GDN view has `gdn_heads` heads of q/k width `gdn_head_dim` (K) and value width `expand_v * K` (V); the
     `N` layer's attention view splits the same q, k, v channels into `attention_heads` heads. `selection`:
     "argmax" (straight-through) or "gumbel" (Gumbel-softmax, hard, in training). `kept_fraction` is the share of
-    chunks assumed kept by attention in the FLOP and decode-state counts (1.0 = every chunk, the worst case).
+    chunks assumed kept by attention in the FLOP, decode-state and context-parallel counts (1.0 = every chunk, the
+    worst case; the CP counts read it as the share of the most-keeping head).
     """
 
     gdn_heads: int = 6

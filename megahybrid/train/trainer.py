@@ -24,7 +24,13 @@ from megahybrid.distributed import init_distributed, shutdown
 from megahybrid.errors import EXIT_USER_ERROR, UserError
 from megahybrid.model.config import count_parameters
 from megahybrid.model.cp import shard_batch
-from megahybrid.model.mixers import cp_bytes_per_layer, eager_mixer_modules, eager_mixers, state_floats
+from megahybrid.model.mixers import (
+    cp_bytes_per_layer,
+    cp_flops_per_layer,
+    eager_mixer_modules,
+    eager_mixers,
+    state_floats,
+)
 from megahybrid.outputs import check_writable
 from megahybrid.train import rundir
 from megahybrid.train.checkpoint import TRAINER_STATE, CheckpointManager, all_gather
@@ -396,12 +402,15 @@ class Trainer:
 
 def _state_line(model_cfg, cp: int, precision: str) -> str:
     """Decode-state floats per sequence and layer of each mixer kind at the training context, and under context
-    parallelism the bytes each CP rank sends per layer and sequence in a training step."""
+    parallelism the bytes each CP rank sends per layer and sequence in a training step and the forward FLOPs per
+    token the state passing adds on the last CP rank."""
     per_mixer = ",".join(f"{c}:{n}" for c, n in state_floats(model_cfg, model_cfg.seq_length).items())
     line = f"state_floats_per_layer@{model_cfg.seq_length}={per_mixer}"
     if cp > 1:
         sent = cp_bytes_per_layer(model_cfg, cp, 2 if precision == "bf16" else 4)
         line += " cp_bytes_sent_per_layer_per_sequence=" + ",".join(f"{c}:{n}" for c, n in sent.items())
+        extra = cp_flops_per_layer(model_cfg, cp)
+        line += " cp_extra_flops_per_token_per_layer=" + ",".join(f"{c}:{n:.0f}" for c, n in extra.items())
     return line
 
 

@@ -26,6 +26,9 @@ class Mixer:
     cp: context parallelism (parallel.cp > 1) is implemented for it.
     cp_bytes(cfg, cp, element_bytes): bytes one CP rank sends per layer, per sequence and training step
         (forward + backward, ring collectives), or None where cp is False.
+    cp_flops(cfg, cp): forward FLOPs per token of one layer's mixer that context parallelism adds on its last
+        rank to those tokens' own work: the state-passing pass (shard summaries, prefix combine, output
+        corrections) and padded work; not the attention imbalance of contiguous shards. None where cp is False.
     cache: the name of its decode cache type ("" if none).
     gpu_compile: torch.compile of this mixer's own module runs on a GPU (measured per mixer); where False, a
         compiled model keeps the mixer's module eager (see eager_mixer_modules).
@@ -40,6 +43,7 @@ class Mixer:
     chunk_size: int = 1
     cp: bool = False
     cp_bytes: Callable | None = None
+    cp_flops: Callable | None = None
     cache: str = ""
     issue: str = ""
     gpu_compile: bool = True
@@ -115,6 +119,11 @@ def eager_mixer_modules(cfg) -> tuple[type, ...]:
 def cp_bytes_per_layer(cfg, cp: int, element_bytes: int) -> dict[str, int]:
     """What each mixer kind of the pattern sends per CP rank, layer, sequence and training step."""
     return {c: mixer_for(c).cp_bytes(cfg, cp, element_bytes) for c in dict.fromkeys(cfg.pattern)}
+
+
+def cp_flops_per_layer(cfg, cp: int) -> dict[str, float]:
+    """What context parallelism adds to each mixer kind's forward FLOPs per token on the last CP rank."""
+    return {c: mixer_for(c).cp_flops(cfg, cp) for c in dict.fromkeys(cfg.pattern)}
 
 
 def mixer_params(cfg) -> int:

@@ -518,6 +518,16 @@ def _cp_bytes(cfg, cp: int, element_bytes: int, s4d: bool) -> int:
     return 3 * (cp - 1) * (halo + summary)
 
 
+def _cp_flops(cfg, cp: int, s4d: bool) -> float:
+    """What the state passing adds per token: the closed-form shard summary (shard_summary: one complex
+    multiply-add, 8 real FLOPs, per token, mode and state column: 4 per real state float) and, on the last rank,
+    cp - 1 prefix-combine steps over the state per shard. The core runs once, from the combined state."""
+    if cp == 1:
+        return 0.0
+    state = _state_floats(cfg, s4d)
+    return 4.0 * state * (1 + (cp - 1) / (cfg.seq_length // cp))
+
+
 def _counts(cfg, s4d: bool) -> dict[str, int]:
     """Parameters of one layer's mixer by kind, from the same segment lists the modules are built from."""
     inputs, readout, _ = _cell_parts(cfg, s4d)
@@ -562,8 +572,10 @@ def _state_floats(cfg, s4d: bool) -> int:
 INTERDOMAIN = Mixer("I", "Interdomain attention", interdomain_spec, lambda cfg: sum(_counts(cfg, False).values()),
                     lambda cfg: _flops(cfg, False), lambda cfg, context: _state_floats(cfg, False),
                     chunk_size=CHUNK, cp=True, cp_bytes=lambda cfg, cp, nbytes: _cp_bytes(cfg, cp, nbytes, False),
+                    cp_flops=lambda cfg, cp: _cp_flops(cfg, cp, False),
                     cache="conv tails + Interdomain state", gpu_compile=False)
 S4D = Mixer("D", "S4D", s4d_spec, lambda cfg: sum(_counts(cfg, True).values()), lambda cfg: _flops(cfg, True),
             lambda cfg, context: _state_floats(cfg, True), chunk_size=CHUNK, cp=True,
-            cp_bytes=lambda cfg, cp, nbytes: _cp_bytes(cfg, cp, nbytes, True), cache="conv tails + S4D state",
+            cp_bytes=lambda cfg, cp, nbytes: _cp_bytes(cfg, cp, nbytes, True),
+            cp_flops=lambda cfg, cp: _cp_flops(cfg, cp, True), cache="conv tails + S4D state",
             gpu_compile=False)

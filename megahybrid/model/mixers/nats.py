@@ -27,12 +27,17 @@ and acts on every value column alike. One run of the op with value width K + V f
 values [0 | v] therefore gives [Phi | S_loc] as its final state and [o_Phi | o_loc] as its outputs, where o_Phi
 is scale Phi_t^T q_t; `prefix_states_matrix` over the all-gathered (S_loc, Phi) gives the true S_0, and the
 outputs are o_loc + S_0^T o_Phi (`_shard_gdn`, exact; the same one core pass whether or not there is an earlier
-shard, so no rerun). (3) Attention: gather-then-mask, not compacted: every rank all-gathers the attention view's
-K, V and keep decisions of the whole sequence and keeps those of its own and earlier shards; the op runs over that
-prefix with zero queries ahead of this shard's (their outputs are dropped and their gradient is zero), so
-visibility and the straight-through keep gradient are the op's own (`_shard_attention`). This sends every chunk,
-kept or not (cp_bytes counts that), and computes the zero queries' rows too; compacting the kept chunks of
-earlier shards is the efficient form, not built. Gradients reach earlier ranks through every all-gather.
+shard, so no rerun). (3) Attention, kept chunks only: each rank packs, per (batch, head), its shard's chunks
+with keep 1 in order into the first of C chunk slots (C the largest kept count over batch, heads and CP ranks,
+from one MAX all-reduce of the counts, so every rank's piece has one shape; at least 1, all padding when nothing
+is kept), their keep entries gathered along (an earlier shard's chunk gets its straight-through keep gradient
+back), padding zero with keep 0, and all-gathers the K|V and keep pieces. Rank r runs the op once over [the
+pieces of ranks < r, its own shard with its keep decisions] with zero queries ahead of its own (their outputs are
+dropped, their gradients are zero): every kept earlier chunk lies before every local query, so it is seen whole
+whatever its slot, padding by none, and the own shard is the op's as at cp = 1 (`_shard_attention`; the op
+returns no log-sum-exp, so merging a separate prefix pass is not open). Bytes scale with the kept share of the
+most-keeping head (cp_bytes at model.nats.kept_fraction, 1.0 the bound); the zero queries add r * C * 64 rows;
+the count costs one host sync per layer. Gradients reach earlier ranks through every all-gather.
 """
 import math
 from dataclasses import dataclass
@@ -378,18 +383,47 @@ def _shard_gdn(group):
 
 
 def _shard_attention(group):
-    """chunk_selected_attention for this CP rank's shard (module docstring, (3)): keys, values and keep decisions
-    of this and every earlier shard, this shard's queries after zero ones."""
+    """chunk_selected_attention for this CP rank's shard (module docstring, (3)): this shard's queries over the
+    kept chunks of every earlier shard, compacted, then this shard with its own keep decisions."""
 
     def attention(q, k, v, keep, scale):
-        S = k.shape[1]
-        visible = S * (torch.distributed.get_rank(group) + 1)
-        k_all, v_all = (gather_sequence(x, 1, group)[:, :visible] for x in (k, v))
-        keep_all = gather_sequence(keep, 2, group)[:, :, :visible // CHUNK]
-        q_all = torch.cat([q.new_zeros(q.shape[0], visible - S, *q.shape[2:]), q], 1)
-        return chunk_selected_attention(q_all, k_all, v_all, keep_all, scale=scale)[:, visible - S:]
+        count = (keep.detach() == 1).sum(-1).amax().reshape(1)
+        torch.distributed.all_reduce(count, torch.distributed.ReduceOp.MAX, group=group)
+        slots = max(1, int(count))  # one all-padding slot when nothing is kept: every rank's shapes still agree
+        kv, kept = compact_kept_chunks(torch.cat([k, v], -1), keep, slots)
+        rank = torch.distributed.get_rank(group)
+        # Every rank, rank 0 with an empty prefix, slices both gathered tensors, so every rank runs their backward.
+        prefix_kv = gather_sequence(kv, 1, group)[:, :rank * slots * CHUNK]
+        prefix_keep = gather_sequence(kept, 2, group)[:, :, :rank * slots]
+        prefix_k, prefix_v = prefix_kv.split([k.shape[-1], v.shape[-1]], -1)
+        return attend_after_prefix(q, k, v, keep, prefix_k, prefix_v, prefix_keep, scale)
 
     return attention
+
+
+def compact_kept_chunks(x: torch.Tensor, keep: torch.Tensor, slots: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per (batch, head), the chunks of x [B, S, H, D] whose keep [B, H, S/64] is 1, in order, in the first of
+    `slots` chunk slots: [B, slots*64, H, D] (padding zero) and their keep entries [B, H, slots] (padding 0).
+    Gathers, so gradients (keep's straight-through one included) return to the chosen chunks."""
+    B, S, H, D = x.shape
+    NC = S // CHUNK
+    order = torch.arange(NC, device=keep.device).expand_as(keep)
+    picked = torch.where(keep.detach() == 1, order, NC).sort(-1).values[..., :slots]  # NC marks padding
+    real, index = picked < NC, picked.clamp(max=NC - 1)
+    chunks = x.reshape(B, NC, CHUNK, H, D).permute(0, 3, 1, 2, 4)
+    rows = chunks.gather(2, index[..., None, None].expand(B, H, slots, CHUNK, D))
+    rows = torch.where(real[..., None, None], rows, 0)
+    return rows.permute(0, 2, 3, 1, 4).reshape(B, slots * CHUNK, H, D), torch.where(real, keep.gather(2, index), 0)
+
+
+def attend_after_prefix(q, k, v, keep, prefix_k, prefix_v, prefix_keep, scale):
+    """chunk_selected_attention of q over [prefix, own keys]: one op call with zero queries ahead of q's (their
+    outputs are dropped, their gradients are zero), so a prefix chunk with keep 1 is seen by every query, one
+    with keep 0 by none."""
+    P = prefix_k.shape[1]
+    q_all = torch.cat([q.new_zeros(q.shape[0], P, *q.shape[2:]), q], 1)
+    k_all, v_all = torch.cat([prefix_k, k], 1), torch.cat([prefix_v, v], 1)
+    return chunk_selected_attention(q_all, k_all, v_all, torch.cat([prefix_keep, keep], 2), scale=scale)[:, P:]
 
 
 def _spec(select: bool):
@@ -462,21 +496,48 @@ def nats_cp_bytes(cfg, cp: int, element_bytes: int, select: bool = True) -> int:
     the rank's piece forward and all-reduces the gathered gradient, 2 (cp - 1) pieces, backward (gloo has no
     reduce-scatter). Pieces: the conv halo (conv_size - 1 input rows of the q/k/v channels, activation dtype), the
     fp32 GDN summary (state S_loc [K, V] and transition Phi [K, K] per head); for `N` also the attention view's K
-    and V of the whole shard (activation dtype: every chunk, not only the kept ones) and its fp32 keep decisions."""
+    and V of C compacted chunks (activation dtype) and their fp32 keep entries, C = ceil(kept_fraction * S / 64)
+    with model.nats.kept_fraction read as the kept share of the most-keeping (sequence, head, rank), which sizes
+    every piece: the default 1.0 is the bound (every chunk kept). The 8-byte count all-reduce is not counted."""
     o = cfg.nats
     H, K, V = o.gdn_heads, o.gdn_head_dim, o.gdn_value_dim
     piece = (o.conv_size - 1) * H * (2 * K + V) * element_bytes + 4 * H * K * (K + V)
     if select:
-        S = cfg.seq_length // cp
-        piece += S * H * (K + V) * element_bytes + 4 * (S // CHUNK) * o.attention_heads
+        slots = _cp_slots(cfg, cp)
+        piece += slots * CHUNK * H * (K + V) * element_bytes + 4 * slots * o.attention_heads
     return 3 * (cp - 1) * piece
 
 
+def _cp_slots(cfg, cp: int) -> int:
+    """C, the compacted chunk slots per rank, at model.nats.kept_fraction (nats_cp_bytes)."""
+    return max(1, math.ceil(cfg.nats.kept_fraction * (cfg.seq_length // cp // CHUNK)))
+
+
+def nats_cp_flops(cfg, cp: int, select: bool = True) -> float:
+    """Forward FLOPs per token that context parallelism adds on the last rank (module docstring, (2) and (3)):
+    the GDN op at value width K + V instead of V (the Phi columns, in _gdn_core_flops' terms), the correction
+    S_0^T o_Phi (2 K V per head), cp - 1 prefix products Phi S ([K, K] x [K, V] per head) per shard; for `N` also
+    the zero queries ahead of the shard, P = (cp - 1) C 64 rows (C as in nats_cp_bytes) over about P^2 / 2
+    prefix keys in all, 2 FLOPs per multiply-add of q k and p v."""
+    if cp == 1:
+        return 0.0
+    o = cfg.nats
+    H, K, V = o.gdn_heads, o.gdn_head_dim, o.gdn_value_dim
+    S = cfg.seq_length // cp
+    flops = 2.0 * H * (3 * K * K + 2 * CHUNK * K) + 2.0 * H * K * V + (cp - 1) * 2.0 * H * K * K * V / S
+    if select:
+        P = (cp - 1) * _cp_slots(cfg, cp) * CHUNK
+        flops += P * P / S * o.attention_heads * (o.attn_qk_dim + o.attn_v_dim)
+    return flops
+
+
 NATSL = Mixer("N", "NAtS-L", _spec(True), nats_params, nats_flops, nats_state_floats, chunk_size=CHUNK, cp=True,
-              cp_bytes=nats_cp_bytes, cache="NAtS-L cache: kept-chunk K/V + open chunk, GDN state + rollback copy, conv tails",
+              cp_bytes=nats_cp_bytes, cp_flops=nats_cp_flops,
+              cache="NAtS-L cache: kept-chunk K/V + open chunk, GDN state + rollback copy, conv tails",
               gpu_compile=False)
 GATED_DELTANET = Mixer(
     "G", "Gated DeltaNet", _spec(False), lambda cfg: nats_params(cfg, False), lambda cfg: nats_flops(cfg, False),
     lambda cfg, context: nats_state_floats(cfg, context, False), chunk_size=CHUNK, cp=True,
     cp_bytes=lambda cfg, cp, element_bytes: nats_cp_bytes(cfg, cp, element_bytes, False),
+    cp_flops=lambda cfg, cp: nats_cp_flops(cfg, cp, False),
     cache="GDN state + conv tails", gpu_compile=False)

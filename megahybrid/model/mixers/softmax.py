@@ -113,4 +113,4 @@ def softmax_cp_bytes(cfg, cp: int, element_bytes: int) -> int:
 
 
 SOFTMAX = Mixer("S", "softmax attention", softmax_spec, softmax_params, softmax_flops, softmax_state_floats,
-                chunk_size=1, cp=True, cp_bytes=softmax_cp_bytes, cache="KV cache")
+                chunk_size=1, cp=True, cp_bytes=softmax_cp_bytes, cp_flops=lambda cfg, cp: 0.0, cache="KV cache")
