@@ -196,6 +196,15 @@ def test_bench_train_runs_the_trainer_step_and_the_baseline_on_cpu(tmp_path):
         ("baseline", "none", 256, 2)]
     assert all(r["tok/s"] > 0 and r["TFLOP/s"] > 0 and r["status"] == "ok" for r in saved["rows"])
     assert {"date", "gpu", "commit", "timed", "flops_per_token"} <= set(saved["meta"])
+    # A later call keeps the earlier call's finished rows and times only the new one.
+    earlier = tmp_path / "earlier.json"
+    earlier.write_text(path.read_text())
+    rc = bench.main(["--rows", "tiny:full:2", "tiny:none:2:256", "--seq", "128", "--tokens", "512", "--steps", "2",
+                     "--warmup", "1", "--no-baseline", "--continue-from", str(earlier), "--results-dir",
+                     str(tmp_path)])
+    rows = json.loads(path.read_text())["rows"]
+    assert rc == 0 and rows[0] == saved["rows"][0], rows
+    assert (rows[1]["micro"], rows[1]["seq"], rows[1]["status"]) == (2, 256, "ok"), rows
 
 
 def test_bench_train_mixer_suite_covers_every_mixer_at_4k_and_16k():

@@ -18,6 +18,7 @@ uses the bf16 matmul rate measured at the end of the run.
     python tools/bench_train.py --rows tiny:none:2 --seq 128 --tokens 512 --steps 2 --warmup 1   # CPU smoke
     python tools/bench_train.py --rows 125m@I:none:8 --no-baseline --profile 25     # where a row's time goes
     python tools/bench_train.py --suite mixers --no-baseline    # every mixer at 4K and 16K (MIXER_SUITE)
+    python tools/bench_train.py --suite mixers --no-baseline --continue-from tools/results/bench_train-DATE.json
 Rows are PRESET[@PATTERN]:RECOMPUTE:MICRO[:SEQ] with RECOMPUTE one of none, selective, selective_mlp, full and
 SEQ the row's context (default --seq); every (preset, SEQ) also gets a baseline row at the micro-batch of its
 first row. Results: tools/results/bench_train-<date>.{json,md}.
@@ -221,6 +222,8 @@ def parse_args(argv=None):
     parser.add_argument("--budget-s", type=float, default=420.0, help="wall time for all rows; later rows skip")
     parser.add_argument("--row-timeout-s", type=float, default=150.0, help="wall time for one row")
     parser.add_argument("--results-dir", default=None, help="default tools/results")
+    parser.add_argument("--continue-from", default=None, metavar="JSON",
+                        help="an earlier results file: its ok rows are kept, not run again")
     parser.add_argument("--no-baseline", action="store_true", help="megahybrid rows only")
     parser.add_argument("--profile", type=int, default=0, help="print each row's top-N kernels (2 steps)")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
@@ -240,9 +243,14 @@ def main(argv=None) -> int:
         return 0
     from benchutil import format_table, save_results
 
-    deadline, done = time.monotonic() + args.budget_s, []
+    deadline = time.monotonic() + args.budget_s
     specs = MIXER_SUITE if args.suite == "mixers" else args.rows
+    earlier = _finished_rows(args.continue_from)
+    done = []
     for row in plan_rows(specs, args.seq, baseline=not args.no_baseline):
+        if _row_key(row) in earlier:
+            done.append(earlier[_row_key(row)])
+            continue
         left = deadline - time.monotonic()
         timeout = min(left, args.row_timeout_s)
         result = run_row(row, _shared_argv(args), timeout) if left > 10 else {**row, "status": "skipped: budget"}
@@ -253,6 +261,22 @@ def main(argv=None) -> int:
     print(format_table(done))
     print(f"written {path}")
     return 0 if all(r["status"] == "ok" for r in done) else 1
+
+
+def _row_key(row: dict) -> tuple:
+    return tuple(row[k] for k in ("system", "preset", "recompute", "micro", "seq"))
+
+
+def _finished_rows(path: str | None) -> dict:
+    """The ok rows of an earlier results file (--continue-from), by row: a suite longer than one call's time
+    limit runs over several calls, each timing the rows the earlier ones did not."""
+    if path is None:
+        return {}
+    try:
+        rows = json.loads(open(path).read())["rows"]
+    except (OSError, ValueError, KeyError) as err:
+        raise SystemExit(f"error: --continue-from {path}: not a bench_train results file ({err})") from None
+    return {_row_key(r): r for r in rows if r.get("status") == "ok"}
 
 
 def _meta(peak) -> dict:
