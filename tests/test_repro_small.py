@@ -71,3 +71,20 @@ def test_missing_data_and_bad_models_one_line(tmp_path, capsys):
         assert tool.main(argv) == 2
         err = capsys.readouterr().err
         assert err.startswith(f"error: {message}") and len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.slow
+def test_repro_small_stops_at_its_deadline_and_the_same_command_continues(data_dir, tmp_path, capsys, monkeypatch):
+    """--deadline-s ends training in time (SIGTERM: the trainer saves and exits 3) and the same command again
+    finishes it and evaluates, as two device calls on a warm machine would."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    tool = _tool()
+    steps, results = 16, str(tmp_path / "results" / "repro")
+    argv = ["--data-dir", data_dir, "--tokens", str(steps * 4 * 64), "--run-root", str(tmp_path / "runs"),
+            "--results", results, "--models", "S", *TINY, "debug.sleep_per_step=1.5"]
+    assert tool.main([*argv, "--deadline-s", "15"]) == 3
+    err = capsys.readouterr().err
+    assert "stopped at --deadline-s 15: S not finished" in err and "run the same command again" in err, err
+    assert not os.path.exists(results + ".json")
+    assert tool.main(argv) == 0, capsys.readouterr()
+    assert json.load(open(results + ".json"))["models"]["S"]["train"]["steps"] == steps

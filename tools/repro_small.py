@@ -10,13 +10,16 @@ The files for one GPU call (they must travel with the checkout, 64 MiB in all; 2
         --splits train,valid
 
 Usage: python tools/repro_small.py --data-dir data/wikipedia-en --tokens 25000000 [--models S,D,I,G,H]
-       [--parallel N] [--run-root DIR] [--results PATH] [key=value ...]   (overrides for every training run)
+       [--parallel N] [--run-root DIR] [--results PATH] [--deadline-s S] [key=value ...]   (overrides for every
+       training run). With --deadline-s the training stops in time (checkpoints saved, exit 3) and the same command
+       continues it, so a budget longer than one device call runs over several calls on a warm machine.
 """
 import argparse
 import json
 import os
 import shutil
 import statistics
+import signal
 import subprocess
 import sys
 import time
@@ -73,32 +76,52 @@ def run_overrides(label: str, files: dict, tokens: int, run_root: str, extra: li
             f"checkpoint.interval={steps}", f"eval.interval={steps}", *extra]
 
 
-def train(label: str, overrides: list, run_root: str, gpu: int | None) -> None:
-    """One `megahybrid train` process (fresh process groups and GPU memory per model); its log in the run dir."""
+class Unfinished(Exception):
+    """A training run stopped at the deadline (it saved a checkpoint; the same command resumes it)."""
+
+
+def train(label: str, overrides: list, run_root: str, gpu: int | None, deadline: float | None) -> None:
+    """One `megahybrid train` process (fresh process groups and GPU memory per model); its log in the run dir.
+    At the deadline (time.monotonic()) it gets SIGTERM, saves a checkpoint and exits with EXIT_REQUEUE."""
+    from megahybrid.train.signals import EXIT_REQUEUE
+
     run_dir = os.path.join(run_root, label)
     os.makedirs(run_dir, exist_ok=True)
     env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
     if gpu is not None:
         env["CUDA_VISIBLE_DEVICES"] = str(gpu)
     log = os.path.join(run_dir, "train.log")
-    with open(log, "w") as f:
-        code = subprocess.run([sys.executable, "-m", "megahybrid", "train", "--config", CONFIG, *overrides],
-                              stdout=f, stderr=subprocess.STDOUT, env=env, cwd=REPO).returncode
+    with open(log, "a") as f:  # a resumed run appends to its log
+        proc = subprocess.Popen([sys.executable, "-m", "megahybrid", "train", "--config", CONFIG, *overrides],
+                                stdout=f, stderr=subprocess.STDOUT, env=env, cwd=REPO)
+        try:
+            code = proc.wait(timeout=None if deadline is None else max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGTERM)
+            code = proc.wait()
     print(f"{label}: trained (exit {code}), log {log}", flush=True)
+    if code == EXIT_REQUEUE:
+        raise Unfinished(label)
     if code:
         tail = open(log).read().strip().splitlines()[-5:]
         raise UserError(f"training {label} failed with exit {code}: {' | '.join(tail)}")
 
 
-def train_all(labels: list, overrides: dict, run_root: str, parallel: int) -> None:
+def train_all(labels: list, overrides: dict, run_root: str, parallel: int, deadline: float | None) -> list:
+    """Trains every model; returns the labels stopped at the deadline (none when all finished)."""
     import torch
 
     gpus = torch.cuda.device_count()
     with ThreadPoolExecutor(max_workers=parallel) as pool:
-        jobs = [pool.submit(train, label, overrides[label], run_root, i % gpus if gpus else None)
-                for i, label in enumerate(labels)]
-        for job in jobs:
-            job.result()
+        jobs = {label: pool.submit(train, label, overrides[label], run_root, i % gpus if gpus else None, deadline)
+                for i, label in enumerate(labels)}
+        unfinished = []
+        for label, job in jobs.items():
+            try:
+                job.result()
+            except Unfinished:
+                unfinished.append(label)
+    return unfinished
 
 
 def training_record(run_dir: str) -> dict:
@@ -199,6 +222,9 @@ def parse(argv):
     parser.add_argument("--models", default=",".join(MODELS), help=f"a subset of {','.join(MODELS)}")
     parser.add_argument("--parallel", type=int, default=1, help="models trained at once (spread over the GPUs)")
     parser.add_argument("--run-root", default=None, help="default runs/repro-small-<tokens>")
+    parser.add_argument("--deadline-s", type=float, default=None,
+                        help="stop training after this many seconds (checkpoints saved, exit 3); the same command "
+                             "continues")
     parser.add_argument("--results", default=os.path.join(REPO, "tools", "results", "repro-small"),
                         help="writes PATH.json, PATH.md and PATH.png")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="for every training run")
@@ -213,7 +239,14 @@ def run(args) -> int:
     files = data_files(os.path.abspath(args.data_dir))
     run_root = os.path.abspath(args.run_root or os.path.join(REPO, "runs", f"repro-small-{args.tokens}"))
     overrides = {label: run_overrides(label, files, args.tokens, run_root, args.overrides) for label in labels}
-    train_all(labels, overrides, run_root, args.parallel)
+    deadline = None if args.deadline_s is None else time.monotonic() + args.deadline_s
+    unfinished = train_all(labels, overrides, run_root, args.parallel, deadline)
+    if unfinished:
+        from megahybrid.train.signals import EXIT_REQUEUE
+
+        print(f"stopped at --deadline-s {args.deadline_s:g}: {','.join(unfinished)} not finished (checkpoints "
+              f"saved in {run_root}); run the same command again to continue", file=sys.stderr, flush=True)
+        return EXIT_REQUEUE
     from megahybrid.train.config import load_config
 
     seq = load_config(CONFIG, args.overrides).model.overrides["seq_length"]
