@@ -55,7 +55,7 @@ def check_config_agreement(config: dict) -> None:
         if difference:
             key, theirs, ours = difference
             raise ConfigError(f"rank {rank} disagrees with rank 0 on {key}: {theirs!r} on rank {rank}, {ours!r} on "
-                            "rank 0; launch every rank from the same checkout with the same --config and overrides")
+                              "rank 0; launch every rank from the same checkout with the same --config and overrides")
 
 
 def first_difference(mine: dict, reference: dict) -> tuple | None:

@@ -10,14 +10,13 @@ import argparse
 import importlib
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from tools.train_smoke import MARK, outcome  # noqa: E402
+from tools.train_smoke import MARK, outcome, spawn  # noqa: E402
 
 # "module:attr" or "module:Class.method", kept eager in turn
 PIECES = {
@@ -84,16 +83,6 @@ def child(pattern: str, piece: str, preset: str, seq: int) -> None:
     print(MARK + json.dumps([round(s["loss"], 4) for s in steps]), flush=True)
 
 
-def launch(pattern: str, piece: str, args) -> subprocess.Popen:
-    from tests.dist import free_port
-
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1",
-               LOCAL_RANK="0", PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
-    cmd = [sys.executable, os.path.abspath(__file__), "--child", pattern, piece, "--preset", args.preset,
-           "--seq", str(args.seq)]
-    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--patterns", nargs="+", default=["I", "G"])
@@ -109,7 +98,7 @@ def main() -> int:
         return 0
     runs = [(p, piece) for p in args.patterns for piece in ["eager", "none", "module", *PIECES[p[0]]]]
     runs += [(p, piece) for p in args.also for piece in ("eager", "module")]
-    procs = {run: launch(*run, args) for run in runs}
+    procs = {run: spawn(__file__, list(run), args) for run in runs}
     deadline = time.monotonic() + args.timeout_s
     for (pattern, piece), proc in procs.items():
         result = outcome(proc, max(1.0, deadline - time.monotonic()))

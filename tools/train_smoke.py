@@ -24,14 +24,18 @@ def child(pattern: str, compile_: bool, preset: str, seq: int) -> None:
     print(MARK + json.dumps([[round(s["loss"], 4), s["skip"]] for s in steps]), flush=True)
 
 
-def launch(pattern: str, compile_: bool, args) -> subprocess.Popen:
+def spawn(script: str, child: list[str], args) -> subprocess.Popen:
+    """`script --child CHILD... --preset --seq` as a one-rank process of its own (a CUDA fault stays in it)."""
     from tests.dist import free_port
 
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1",
                LOCAL_RANK="0", PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
-    cmd = [sys.executable, os.path.abspath(__file__), "--child", pattern, str(int(compile_)),
-           "--preset", args.preset, "--seq", str(args.seq)]
+    cmd = [sys.executable, os.path.abspath(script), "--child", *child, "--preset", args.preset, "--seq", str(args.seq)]
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def launch(pattern: str, compile_: bool, args) -> subprocess.Popen:
+    return spawn(__file__, [pattern, str(int(compile_))], args)
 
 
 def outcome(proc: subprocess.Popen, timeout: float) -> str:

@@ -82,10 +82,10 @@ def read_checkpoint_states(step_dir: str, tags: dict | None = None, keys=("fp32"
     tags = tags or partition_tags(bare_model(model_cfg))
     ranks = [rank_states(step_dir, r, keys) for r in tqdm(range(tp_size(step_dir)), desc="reading TP ranks")]
     full = {key: {} for key in keys}
-    for key, name in ((key, name) for key in keys for name in tags):
-        shards = [r[key][name] for r in ranks]
-        tag = tags[name]
-        full[key][name] = merge_shards(shards, *tag) if tag and len(shards) > 1 else shards[0]
+    for key in keys:
+        for name, tag in tags.items():
+            shards = [r[key][name] for r in ranks]
+            full[key][name] = merge_shards(shards, *tag) if tag and len(shards) > 1 else shards[0]
     return model_cfg, full
 
 

@@ -294,8 +294,8 @@ class Trainer:
                                              "perf/tflops_per_gpu": tflops * scale, "perf/mfu": values["perf/mfu"] * scale})
 
     def _compile_text(self) -> str:
-        eager = eager_mixers(self.plan.model.pattern) if self.compiled else []
-        return f"True(eager mixers: {''.join(c[0] for c in eager)})" if eager else str(self.compiled)
+        eager = eager_mixers(self.plan.model.pattern) if self.compiled else ""
+        return f"True(eager mixers: {eager})" if eager else str(self.compiled)
 
     def print_start(self) -> None:
         if not self.is_logger:

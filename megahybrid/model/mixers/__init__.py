@@ -103,9 +103,9 @@ def check_context_parallel(pattern: str, cp: int) -> None:
         )
 
 
-def eager_mixers(pattern: str) -> list[str]:
-    """The pattern's mixers that a compiled model keeps eager (see eager_mixer_modules), as `C (name)`."""
-    return [f"{c} ({mixer_for(c).name})" for c in dict.fromkeys(pattern) if not mixer_for(c).gpu_compile]
+def eager_mixers(pattern: str) -> str:
+    """The pattern's mixer characters that a compiled model keeps eager (see eager_mixer_modules), each once."""
+    return "".join(c for c in dict.fromkeys(pattern) if not mixer_for(c).gpu_compile)
 
 
 def eager_mixer_modules(cfg) -> tuple[type, ...]:
@@ -113,7 +113,7 @@ def eager_mixer_modules(cfg) -> tuple[type, ...]:
     Triton 3.6, tools/train_smoke.py): compiling the I, D, N or G layers' own elementwise / conv code gives an
     inductor kernel that raises "CUDA error: misaligned address" on the first step (our Triton ops were already
     opaque to compile), while S compiles and matches eager (issue #15). The rest of the model still compiles."""
-    return tuple(dict.fromkeys(mixer_for(c).spec(cfg).module for c in cfg.pattern if not mixer_for(c).gpu_compile))
+    return tuple(dict.fromkeys(mixer_for(c).spec(cfg).module for c in eager_mixers(cfg.pattern)))
 
 
 def cp_bytes_per_layer(cfg, cp: int, element_bytes: int) -> dict[str, int]:
