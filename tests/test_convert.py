@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from tests.dist import run_on_ranks
-from tests.utils import requires_gpu
+from tests.utils import requires_gpu, subprocess_pythonpath
 from tests.test_train_zero import train_config
 
 LOSS_TOL = 2e-5  # fp32; layouts differ only in the order of reductions
@@ -204,7 +204,7 @@ def test_convert_round_trip_and_init_from(data_dir, tmp_path):
 
 
 def test_convert_cli_refuses_existing_output_in_one_line(tmp_path):
-    env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(__file__)))}
+    env = {**os.environ, "PYTHONPATH": subprocess_pythonpath()}
     out = subprocess.run([sys.executable, "-m", "megahybrid", "convert", "--checkpoint", str(tmp_path), "--to", "hf",
                           "--output", str(tmp_path)], capture_output=True, text=True, env=env)
     assert out.returncode == 2 and out.stderr.strip().count("\n") == 0, out.stderr

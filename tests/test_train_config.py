@@ -12,8 +12,7 @@ from megahybrid.errors import UserError
 from megahybrid.model.config import count_parameters, preset
 from megahybrid.model.mixers import state_floats
 from megahybrid.train.config import PACKAGE_CONFIGS, load_config, validate
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.utils import subprocess_pythonpath
 
 
 @pytest.fixture(scope="module")
@@ -166,7 +165,7 @@ CLI_CASES = [
 
 
 def test_cli_errors_exit_2_one_line(tmp_path):
-    env = {**os.environ, "PYTHONPATH": REPO, "PYTHONWARNINGS": "ignore"}
+    env = {**os.environ, "PYTHONPATH": subprocess_pythonpath(), "PYTHONWARNINGS": "ignore"}
     for args, message in CLI_CASES:
         proc = subprocess.run([sys.executable, "-m", "megahybrid", "train", *args], capture_output=True, text=True,
                               cwd=tmp_path, env=env, timeout=120)

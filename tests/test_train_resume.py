@@ -13,6 +13,7 @@ import time
 import pytest
 
 from tests.dist import free_port
+from tests.utils import subprocess_pythonpath
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXIT_REQUEUE, EXIT_NONFINITE = 3, 4
@@ -40,7 +41,7 @@ def _args(run_dir, data_dir, steps, *extra):
 
 def _env(extra=None):
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
-    env.update(PYTHONPATH=REPO, PYTHONWARNINGS="ignore", MASTER_ADDR="127.0.0.1", **(extra or {}))
+    env.update(PYTHONPATH=subprocess_pythonpath(), PYTHONWARNINGS="ignore", MASTER_ADDR="127.0.0.1", **(extra or {}))
     return env
 
 

@@ -1,4 +1,6 @@
 """Shared test helpers: relative-RMS comparison, NaN-poisoned buffers, device selection."""
+import os
+
 import pytest
 import torch
 
@@ -65,3 +67,10 @@ class nan_poisoned_empty:
 def nan_empty():
     with nan_poisoned_empty():
         yield
+
+
+def subprocess_pythonpath() -> str:
+    """The repository first, then what the caller's PYTHONPATH already holds (the GPU machine's wheels and the
+    megahybrid_kernels link live there: tools/gpu_env.sh)."""
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return os.pathsep.join(p for p in (repo, os.environ.get("PYTHONPATH", "")) if p)

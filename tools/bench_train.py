@@ -83,14 +83,19 @@ def megahybrid_step(row: dict, args, run_dir: str):
         "data": {"synthetic": True},
         "batch": {"global_batch_size": args.tokens // row["seq"], "micro_batch_size": row["micro"]},
         "optimizer": {"warmup_steps": 1},
-        "train": {"steps": _total_steps(args), "compile": {"auto": "auto", "true": True, "false": False}[
+        "train": {"steps": _total_steps(args), "compile": {"auto": "auto", "true": True, "all": True, "false": False}[
             args.compile]},
         "logging": {"tensorboard": False},
         "eval": {"iters": 0},
     })
+    if args.compile == "all":  # the mixers' own torch code compiled too, not kept eager (issue #15)
+        import megahybrid.train.trainer as trainer_module
+
+        trainer_module.eager_mixer_modules = lambda model_cfg: ()
     trainer = Trainer(make_plan(cfg, 1))
     batches = iter(trainer.loader)
-    return (lambda: trainer.train_step(batches)), trainer.plan.model, trainer.compiled, trainer.gas
+    compiled = "all" if args.compile == "all" else trainer.compiled
+    return (lambda: trainer.train_step(batches)), trainer.plan.model, compiled, trainer.gas
 
 
 def _total_steps(args) -> int:
@@ -114,7 +119,7 @@ def baseline_step(row: dict, args):
     cfg = preset(row["preset"].split("@")[0], seq_length=row["seq"])
     global_batch = args.tokens // row["seq"]
     gas = global_batch // row["micro"]
-    compiled = torch.cuda.is_available() if args.compile == "auto" else args.compile == "true"
+    compiled = torch.cuda.is_available() if args.compile == "auto" else args.compile in ("true", "all")
     trainer = BaselineTrainer(cfg, row["micro"], gas, compiled, "cuda" if torch.cuda.is_available() else "cpu")
     data = RandomTokens(global_batch * _total_steps(args), row["seq"], cfg.vocab_size, seed=1234)
     batches = iter(MicroBatchLoader(data, global_batch, row["micro"]))
@@ -218,7 +223,8 @@ def parse_args(argv=None):
     parser.add_argument("--tokens", type=int, default=16 * 4096, help="tokens per optimizer step")
     parser.add_argument("--steps", type=int, default=8, help="timed steps")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation happens here)")
-    parser.add_argument("--compile", choices=["auto", "true", "false"], default="auto")
+    parser.add_argument("--compile", choices=["auto", "true", "all", "false"], default="auto",
+                        help="train.compile; all: also the mixer modules train.compile=true keeps eager")
     parser.add_argument("--budget-s", type=float, default=420.0, help="wall time for all rows; later rows skip")
     parser.add_argument("--row-timeout-s", type=float, default=150.0, help="wall time for one row")
     parser.add_argument("--results-dir", default=None, help="default tools/results")

@@ -88,6 +88,9 @@ def main() -> int:
     parser.add_argument("--patterns", nargs="+", default=["I", "G"])
     parser.add_argument("--also", nargs="*", default=["D", "N", "INSG", "S"],
                         help="patterns run only eager and with the default (whole mixer module eager)")
+    parser.add_argument("--pieces", nargs="+", default=None, help="of --patterns (default: eager, none, module, "
+                        "then each piece kept eager in turn)")
+    parser.add_argument("--also-pieces", nargs="+", default=["eager", "module"], help="of --also")
     parser.add_argument("--preset", default="125m")
     parser.add_argument("--seq", type=int, default=1024)
     parser.add_argument("--timeout-s", type=float, default=300, help="for all runs together")
@@ -96,8 +99,8 @@ def main() -> int:
     if args.child:
         child(*args.child, args.preset, args.seq)
         return 0
-    runs = [(p, piece) for p in args.patterns for piece in ["eager", "none", "module", *PIECES[p[0]]]]
-    runs += [(p, piece) for p in args.also for piece in ("eager", "module")]
+    runs = [(p, piece) for p in args.patterns for piece in args.pieces or ["eager", "none", "module", *PIECES[p[0]]]]
+    runs += [(p, piece) for p in args.also for piece in args.also_pieces]
     procs = {run: spawn(__file__, list(run), args) for run in runs}
     deadline = time.monotonic() + args.timeout_s
     for (pattern, piece), proc in procs.items():

@@ -104,7 +104,23 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
         else:
             (decay if param.dim() >= 2 else no_decay).append(param)
     groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return groups + [{"params": ps, "weight_decay": 0.0, "lr_cap": cap} for cap, ps in capped.items()]
+    groups += [{"params": ps, "weight_decay": 0.0, "lr_cap": cap} for cap, ps in capped.items()]
+    return [piece for group in groups for piece in _aligned_groups(group)]
+
+
+# 16 bytes of bf16: the vector width inductor's kernels load parameters with.
+ALIGN_ELEMENTS = 8
+
+
+def _aligned_groups(group: dict) -> list[dict]:
+    """`group` with every parameter at a 16-byte aligned address once DeepSpeed flattens it. ZeRO flattens a
+    group into one buffer and makes each parameter a view into it, so one parameter of a size that is not a
+    multiple of 16 bytes (Gated DeltaNet's A_log and dt_bias, Interdomain's log_dt: a value per head) shifts
+    every later one off; compiled kernels read parameters with 16-byte loads and fault with "misaligned address"
+    on the H200 (issue #15, tools/compile_bisect.py). Such parameters get groups of their own, same settings."""
+    odd = [p for p in group["params"] if p.numel() % ALIGN_ELEMENTS]
+    even = [p for p in group["params"] if not p.numel() % ALIGN_ELEMENTS]
+    return [{**group, "params": ps} for ps in ([even] if even else []) + [[p] for p in odd]]
 
 
 class LRSchedule:

@@ -250,9 +250,9 @@ def test_gpu_value_head_dim_differs(dtype, tol, nan_empty):
 @pytest.mark.gpu
 @requires_gpu
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, TOL_FP32), (torch.bfloat16, TOL_BF16)])
-@pytest.mark.parametrize("Dk,Dv", [(16, 32), (32, 32), (96, 192)])
+@pytest.mark.parametrize("Dk,Dv", [(16, 32), (32, 32), (96, 192), (128, 256), (256, 256)])
 def test_gpu_small_and_odd_head_dims(Dk, Dv, dtype, tol, nan_empty):
     """The tiny preset's attention view (q/k 16, v 32; narrow tiles faulted on the H200 before the 64-wide
-    minimum) and head dims that are not powers of two, every gradient."""
+    minimum), head dims that are not powers of two and the widest tiles the op serves, every gradient."""
     q, k, v, keep, do = make_inputs(2, 300, 3, Dk, p_keep=0.4, dtype=dtype, seed=Dk + Dv, Dv=Dv)
     check_against_naive(q, k, v, keep, do, tol)

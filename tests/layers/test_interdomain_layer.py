@@ -118,8 +118,9 @@ def cells():
 def test_cell_counts_groups_telemetry_and_decoding(cells, pattern, variant):
     r = cells[pattern, variant]
     assert r["built"] == r["counted"]
-    # one capped group: Delta, A, B, C and the input norms (scales and biases) of both layers, fp32, no decay
-    assert len(r["capped"]) == 1 and r["capped"][0][:2] == (1e-3, 0.0) and r["capped"][0][2] >= 2 * 5
+    # capped: Delta, A, B, C and the input norms (scales and biases) of both layers, fp32, no decay
+    # (a per-head parameter of a size off 16-byte alignment gets a group of its own with the same settings)
+    assert {c[:2] for c in r["capped"]} == {(1e-3, 0.0)} and sum(c[2] for c in r["capped"]) >= 2 * 5
     assert r["dtypes"] == {"torch.float32"}
     keys = [k for k in r["metrics"] if k.endswith("/lambda_median")]
     assert len(keys) == 2, r["metrics"]

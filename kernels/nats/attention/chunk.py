@@ -354,8 +354,16 @@ GPU_CONFIG = {
 CPU_CONFIG = {"fwd": {"G": 2, "KB": 2}, "dkdv": {}, "dq": {"G": 2, "KB": 2}}
 
 
-def _config(q: torch.Tensor, kernel: str) -> dict:
-    return dict((CPU_CONFIG if q.device.type == "cpu" else GPU_CONFIG)[kernel])
+def _config(q: torch.Tensor, kernel: str, DK: int, DV: int) -> dict:
+    if q.device.type == "cpu":
+        return dict(CPU_CONFIG[kernel])
+    cfg = dict(GPU_CONFIG[kernel])
+    dims = _head_dims(DK, DV, q.device)
+    if kernel == "dkdv" and dims["BDK"] + dims["BDV"] > 192:
+        # Measured on the H200 (tools/probe_nats_attention.py): with 128 + 256 wide tiles (head dims 96/192,
+        # 128/256) three stages ask for 246,784 bytes of shared memory, over the 232,448 there are; two fit.
+        cfg["num_stages"] = min(cfg["num_stages"], 2)
+    return cfg
 
 
 def chunk_selected_attention_fwd(
@@ -379,7 +387,7 @@ def chunk_selected_attention_fwd(
     else:
         k_far, v_far = k, v
         strides = (T * H * DK, DK, H * DK, T * H * DV, DV, H * DV)
-    cfg = _config(q, "fwd")
+    cfg = _config(q, "fwd", DK, DV)
     _fwd_kernel[(triton.cdiv(NC, cfg["G"]), B * H)](
         q, k_far, v_far, k, v, o, lse, keep.float().contiguous(), far_idx, n_far, scale * LOG2E,
         T, NC, *strides, H=H, **_head_dims(DK, DV, q.device), BT=chunk_size, PREC=_precision(q), INTERPRET=_interpret(q), **cfg,
@@ -409,20 +417,20 @@ def chunk_selected_attention_bwd(
 ):
     """Backward pass: returns dq, dk [B, T, H, Dk], dv [B, T, H, Dv] and dkeep [B, H, NC] (fp32)."""
     B, T, H, DK = q.shape
-    NC = keep.shape[-1]
+    DV, NC = v.shape[-1], keep.shape[-1]
     far_idx, n_far = kept_chunk_lists(keep)
     delta = torch.empty(B, H, T, device=q.device, dtype=torch.float32)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     dkeep = torch.empty(B, H, NC, device=q.device, dtype=torch.float32)
     keep = keep.float().contiguous()
-    consts = dict(H=H, **_head_dims(DK, v.shape[-1], q.device), BT=chunk_size, PREC=_precision(q), INTERPRET=_interpret(q))
-    cfg = _config(q, "dq")
+    consts = dict(H=H, **_head_dims(DK, DV, q.device), BT=chunk_size, PREC=_precision(q), INTERPRET=_interpret(q))
+    cfg = _config(q, "dq", DK, DV)
     _bwd_dq_kernel[(triton.cdiv(NC, cfg["G"]), B * H)](
         q, k, v, o, do, lse, delta, keep, far_idx, n_far, dq, scale * LOG2E, scale, T, NC, **consts, **cfg,
     )
     _bwd_dkdv_kernel[(NC, B * H)](
         q, k, v, do, lse, delta, keep, dk, dv, dkeep, scale * LOG2E, scale, T, NC,
-        GRAD_UNSELECTED=grad_unselected, **consts, **_config(q, "dkdv"),
+        GRAD_UNSELECTED=grad_unselected, **consts, **_config(q, "dkdv", DK, DV),
     )
     return dq, dk, dv, dkeep
 
