@@ -23,3 +23,28 @@ def use_torch_path(x: torch.Tensor) -> bool:
 def next_pow2(n: int, lo: int = 16) -> int:
     """The smallest power of two >= n and >= lo (tile widths; tl.dot needs at least 16)."""
     return max(lo, triton.next_power_of_2(n))
+
+
+# (kernel name, tile widths, dtype) -> the pipeline depth that fits this GPU's shared memory, found by the first
+# launch of that shape: each stage keeps one more set of tiles in flight, and wide head dims run out first.
+_FITTING_STAGES: dict[tuple, int] = {}
+
+
+def launch_fitting_stages(kernel, grid, args: tuple, kwargs: dict, key: tuple, op: str) -> None:
+    """kernel[grid](*args, **kwargs) with kwargs["num_stages"], or the deepest pipeline below it that fits the
+    shared memory (Triton raises OutOfResources when it loads the compiled kernel, before anything runs, so
+    retrying is safe); none fitting is a one-line ValueError."""
+    from triton.runtime.errors import OutOfResources
+
+    key = (kernel.fn.__name__, *key)
+    stages = _FITTING_STAGES.get(key, kwargs["num_stages"])
+    while True:
+        try:
+            kernel[grid](*args, **{**kwargs, "num_stages": stages})
+            _FITTING_STAGES[key] = stages
+            return
+        except OutOfResources as e:
+            if stages == 1:
+                raise ValueError(f"{op}: head dims {key[1:]} do not fit this GPU's shared memory "
+                                 f"({str(e).splitlines()[0]}); use smaller heads") from None
+            stages -= 1

@@ -179,6 +179,11 @@ def test_version_extensions_cache_and_compile_default(capsys, monkeypatch):
     # mixers measured to fault when compiled on a GPU: auto stays eager there; true compiles the rest around them
     assert not resolved_compile(load_config("demo"), True, "SI")
     assert resolved_compile(load_config("demo", ["train.compile=true"]), True, "SG")
+    zero3 = ["train.deepspeed_config=zero3"]
+    assert not resolved_compile(load_config("demo", zero3), True, "S")
+    assert resolved_compile(load_config("demo", [*zero3, "train.compile=true"]), False, "S")
+    with pytest.raises(ConfigError, match="train.compile=true with ZeRO-3 on a GPU"):
+        resolved_compile(load_config("demo", [*zero3, "train.compile=true"]), True, "S")
 
 
 @pytest.mark.slow

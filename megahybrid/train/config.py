@@ -392,7 +392,13 @@ def resolved_compile(cfg: RunConfig, has_gpu: bool, pattern: str) -> bool:
     value = cfg.train.compile
     if value not in (True, False, "auto"):
         raise ConfigError(f"train.compile={value!r}: choose auto (on with a GPU, off on CPU), true or false")
-    return has_gpu and not eager_mixers(pattern) if value == "auto" else value
+    # Measured on the H200 image (torch 2.11): under ZeRO-3's parameter hooks dynamo fails an internal assertion
+    # tracing megatron's vocab-parallel cross entropy (tests/test_reliability.py); torch 2.13 on CPU compiles it.
+    zero3_gpu = has_gpu and zero_stage(load_deepspeed_config(cfg.train.deepspeed_config)) == 3
+    if value is True and zero3_gpu:
+        raise ConfigError("train.compile=true with ZeRO-3 on a GPU fails in torch.compile (megatron's "
+                          "vocab-parallel cross entropy); use train.compile=auto or false, or ZeRO-1/2")
+    return has_gpu and not zero3_gpu and not eager_mixers(pattern) if value == "auto" else value
 
 
 def resolve_deepspeed_path(name_or_path: str) -> Path:

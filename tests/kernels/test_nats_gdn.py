@@ -294,6 +294,16 @@ def test_gpu_head_size_grid(K, V, dtype):
 @pytest.mark.gpu
 @requires_gpu
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("K,V", [(32, 64), (128, 256)])
+def test_gpu_shorter_than_a_chunk(K, V, dtype):
+    """A decoding prompt is often one partial chunk (transformers' generate() prefill of 8 tokens on the tiny
+    model faulted with an illegal address on the H200), with an initial state as the layer's open chunk has."""
+    run_grid_case(K, V, dtype, [1, 8, 40, 64])
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_gpu_long_sequence_k64(dtype):
     """Issue 14's second failing shape class: K = 64, V = 128 at T = 4096."""
     run_grid_case(64, 128, dtype, [4096], B=1, H=2)

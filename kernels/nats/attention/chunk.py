@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from megahybrid_kernels.nats.attention.torch_chunk import torch_chunk_selected_attention
-from megahybrid_kernels._triton import next_pow2, use_torch_path
+from megahybrid_kernels._triton import launch_fitting_stages, next_pow2, use_torch_path
 from megahybrid_kernels.nats.checks import check_keep_values
 
 LOG2E = 1.4426950408889634
@@ -354,16 +354,23 @@ GPU_CONFIG = {
 CPU_CONFIG = {"fwd": {"G": 2, "KB": 2}, "dkdv": {}, "dq": {"G": 2, "KB": 2}}
 
 
-def _config(q: torch.Tensor, kernel: str, DK: int, DV: int) -> dict:
+def _config(q: torch.Tensor, kernel: str) -> dict:
+    return dict((CPU_CONFIG if q.device.type == "cpu" else GPU_CONFIG)[kernel])
+
+
+def _consts(q: torch.Tensor, DK: int, DV: int, chunk_size: int) -> dict:
+    H = q.shape[2]
+    return dict(H=H, **_head_dims(DK, DV, q.device), BT=chunk_size, PREC=_precision(q), INTERPRET=_interpret(q))
+
+
+def _launch(kernel, grid, args: tuple, q: torch.Tensor, consts: dict, cfg: dict) -> None:
+    """On a GPU with fewer pipeline stages where the tiles of wide heads do not fit shared memory (measured on
+    the H200: 3 stages of the dk/dv kernel at q/k 96-128 with v 192-256 ask for 246,784 bytes of the 232,448)."""
     if q.device.type == "cpu":
-        return dict(CPU_CONFIG[kernel])
-    cfg = dict(GPU_CONFIG[kernel])
-    dims = _head_dims(DK, DV, q.device)
-    if kernel == "dkdv" and dims["BDK"] + dims["BDV"] > 192:
-        # Measured on the H200 (tools/probe_nats_attention.py): with 128 + 256 wide tiles (head dims 96/192,
-        # 128/256) three stages ask for 246,784 bytes of shared memory, over the 232,448 there are; two fit.
-        cfg["num_stages"] = min(cfg["num_stages"], 2)
-    return cfg
+        kernel[grid](*args, **consts, **cfg)
+        return
+    key = (consts["BDK"], consts["BDV"], str(q.dtype), *sorted(cfg.items()))
+    launch_fitting_stages(kernel, grid, args, {**consts, **cfg}, key, "chunk_selected_attention")
 
 
 def chunk_selected_attention_fwd(
@@ -387,11 +394,10 @@ def chunk_selected_attention_fwd(
     else:
         k_far, v_far = k, v
         strides = (T * H * DK, DK, H * DK, T * H * DV, DV, H * DV)
-    cfg = _config(q, "fwd", DK, DV)
-    _fwd_kernel[(triton.cdiv(NC, cfg["G"]), B * H)](
-        q, k_far, v_far, k, v, o, lse, keep.float().contiguous(), far_idx, n_far, scale * LOG2E,
-        T, NC, *strides, H=H, **_head_dims(DK, DV, q.device), BT=chunk_size, PREC=_precision(q), INTERPRET=_interpret(q), **cfg,
-    )
+    cfg = _config(q, "fwd")
+    consts = _consts(q, DK, DV, chunk_size)
+    args = (q, k_far, v_far, k, v, o, lse, keep.float().contiguous(), far_idx, n_far, scale * LOG2E, T, NC, *strides)
+    _launch(_fwd_kernel, (triton.cdiv(NC, cfg["G"]), B * H), args, q, consts, cfg)
     return o, lse
 
 
@@ -423,15 +429,13 @@ def chunk_selected_attention_bwd(
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     dkeep = torch.empty(B, H, NC, device=q.device, dtype=torch.float32)
     keep = keep.float().contiguous()
-    consts = dict(H=H, **_head_dims(DK, DV, q.device), BT=chunk_size, PREC=_precision(q), INTERPRET=_interpret(q))
-    cfg = _config(q, "dq", DK, DV)
-    _bwd_dq_kernel[(triton.cdiv(NC, cfg["G"]), B * H)](
-        q, k, v, o, do, lse, delta, keep, far_idx, n_far, dq, scale * LOG2E, scale, T, NC, **consts, **cfg,
-    )
-    _bwd_dkdv_kernel[(NC, B * H)](
-        q, k, v, do, lse, delta, keep, dk, dv, dkeep, scale * LOG2E, scale, T, NC,
-        GRAD_UNSELECTED=grad_unselected, **consts, **_config(q, "dkdv", DK, DV),
-    )
+    consts = _consts(q, DK, DV, chunk_size)
+    cfg = _config(q, "dq")
+    args = (q, k, v, o, do, lse, delta, keep, far_idx, n_far, dq, scale * LOG2E, scale, T, NC)
+    _launch(_bwd_dq_kernel, (triton.cdiv(NC, cfg["G"]), B * H), args, q, consts, cfg)
+    args = (q, k, v, do, lse, delta, keep, dk, dv, dkeep, scale * LOG2E, scale, T, NC)
+    _launch(_bwd_dkdv_kernel, (NC, B * H), args, q, {**consts, "GRAD_UNSELECTED": grad_unselected},
+            _config(q, "dkdv"))
     return dq, dk, dv, dkeep
 
 
