@@ -172,18 +172,15 @@ def test_version_extensions_cache_and_compile_default(capsys, monkeypatch):
     monkeypatch.setattr(os, "environ", {k: v for k, v in os.environ.items() if k != "TORCH_EXTENSIONS_DIR"})
     assert main(["train", "--config", "demo", "train.steps=0"]) == 2
     assert os.environ["TORCH_EXTENSIONS_DIR"] == default_torch_extensions_dir()
-    assert [resolved_compile(load_config("demo"), gpu, "S") for gpu in (False, True)] == [False, True]
-    assert not resolved_compile(load_config("demo", ["train.compile=off"]), True, "S")
+    assert [resolved_compile(load_config("demo"), gpu) for gpu in (False, True)] == [False, True]
+    assert not resolved_compile(load_config("demo", ["train.compile=off"]), True)
     with pytest.raises(ConfigError, match="train.compile='fast': choose auto"):
-        resolved_compile(load_config("demo", ["train.compile=fast"]), True, "S")
-    # mixers measured to fault when compiled on a GPU: auto stays eager there; true compiles the rest around them
-    assert not resolved_compile(load_config("demo"), True, "SI")
-    assert resolved_compile(load_config("demo", ["train.compile=true"]), True, "SG")
+        resolved_compile(load_config("demo", ["train.compile=fast"]), True)
     zero3 = ["train.deepspeed_config=zero3"]
-    assert not resolved_compile(load_config("demo", zero3), True, "S")
-    assert resolved_compile(load_config("demo", [*zero3, "train.compile=true"]), False, "S")
+    assert not resolved_compile(load_config("demo", zero3), True)
+    assert resolved_compile(load_config("demo", [*zero3, "train.compile=true"]), False)
     with pytest.raises(ConfigError, match="train.compile=true with ZeRO-3 on a GPU"):
-        resolved_compile(load_config("demo", [*zero3, "train.compile=true"]), True, "S")
+        resolved_compile(load_config("demo", [*zero3, "train.compile=true"]), True)
 
 
 @pytest.mark.slow

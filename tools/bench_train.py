@@ -91,7 +91,7 @@ def megahybrid_step(row: dict, args, run_dir: str):
     if args.compile == "all":  # the mixers' own torch code compiled too, not kept eager (issue #15)
         import megahybrid.train.trainer as trainer_module
 
-        trainer_module.eager_mixer_modules = lambda model_cfg: ()
+        trainer_module.eager_mixers = lambda pattern: ""
     trainer = Trainer(make_plan(cfg, 1))
     batches = iter(trainer.loader)
     compiled = "all" if args.compile == "all" else trainer.compiled

@@ -74,6 +74,8 @@ def _num(value, spec: str = ".3g") -> str:
 
 def _train_rows(rows, meta):
     for r in rows:
+        if r.get("status", "ok") != "ok":  # not measured (timed out, skipped for the call's budget): no headline
+            continue
         compiled = " compiled" if r.get("compile") else ""
         batch = r.get("batch") or (r["micro"] * r.get("gas", 1) if "micro" in r else None)  # newer rows: micro x gas
         what = f"train {r['preset']} seq {r.get('seq')} batch {batch}{compiled}"

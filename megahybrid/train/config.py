@@ -14,7 +14,7 @@ import yaml
 from megahybrid.data.config import DataConfig
 from megahybrid.errors import ConfigError
 from megahybrid.model.config import preset
-from megahybrid.model.mixers import check_context_parallel, eager_mixers, max_chunk_size
+from megahybrid.model.mixers import check_context_parallel, max_chunk_size
 from megahybrid.parallel import ParallelLayout
 
 PACKAGE_CONFIGS = Path(__file__).resolve().parent.parent / "configs"
@@ -88,9 +88,9 @@ class TrainSection:
     deepspeed_config: str = "zero1"
     deterministic: bool = False
     max_consecutive_nonfinite: int = 5
-    # torch.compile the model through the DeepSpeed engine: auto = on with a GPU (measured faster, issue #15) for
-    # patterns whose mixers all compile there, else off; true / false force it. Under true the mixers that fault
-    # when compiled on a GPU stay eager inside the compiled model (mixers.eager_mixer_modules).
+    # torch.compile the model through the DeepSpeed engine: auto = on with a GPU (measured faster, issue #15) but
+    # not under ZeRO-3 there; true / false force it. The mixers measured slower compiled (their records'
+    # gpu_compile) stay eager inside the compiled model (Trainer.compile_model).
     compile: bool | str = "auto"
 
 
@@ -324,7 +324,7 @@ def validate(cfg: RunConfig, world_size: int, has_gpu: bool, check_data: bool = 
     _check_numbers(cfg)
     _check_batch(cfg, layout)
     precision = resolved_precision(cfg, has_gpu)
-    resolved_compile(cfg, has_gpu, model.pattern)
+    resolved_compile(cfg, has_gpu)
     ds = load_deepspeed_config(cfg.train.deepspeed_config)
     _check_zero(ds, has_gpu)
     if check_data and not cfg.data.builtin and not cfg.data.synthetic:
@@ -386,9 +386,9 @@ def resolved_precision(cfg: RunConfig, has_gpu: bool) -> str:
     return value
 
 
-def resolved_compile(cfg: RunConfig, has_gpu: bool, pattern: str) -> bool:
-    """auto compiles on a GPU when every mixer of the pattern compiles there (measured, issue #15); true compiles
-    whatever the pattern, the mixers that fault kept eager inside the compiled model (Trainer.compile_model)."""
+def resolved_compile(cfg: RunConfig, has_gpu: bool) -> bool:
+    """auto compiles on a GPU (except under ZeRO-3, below), true wherever asked; either way the mixers measured
+    slower compiled stay eager inside the compiled model (Trainer.compile_model, issue #15)."""
     value = cfg.train.compile
     if value not in (True, False, "auto"):
         raise ConfigError(f"train.compile={value!r}: choose auto (on with a GPU, off on CPU), true or false")
@@ -398,7 +398,7 @@ def resolved_compile(cfg: RunConfig, has_gpu: bool, pattern: str) -> bool:
     if value is True and zero3_gpu:
         raise ConfigError("train.compile=true with ZeRO-3 on a GPU fails in torch.compile (megatron's "
                           "vocab-parallel cross entropy); use train.compile=auto or false, or ZeRO-1/2")
-    return has_gpu and not zero3_gpu and not eager_mixers(pattern) if value == "auto" else value
+    return has_gpu and not zero3_gpu if value == "auto" else value
 
 
 def resolve_deepspeed_path(name_or_path: str) -> Path:

@@ -30,8 +30,8 @@ class Mixer:
         rank to those tokens' own work: the state-passing pass (shard summaries, prefix combine, output
         corrections) and padded work; not the attention imbalance of contiguous shards. None where cp is False.
     cache: the name of its decode cache type ("" if none).
-    gpu_compile: torch.compile of this mixer's own module runs on a GPU (measured per mixer); where False, a
-        compiled model keeps the mixer's module eager (see eager_mixer_modules).
+    gpu_compile: torch.compile of this mixer's own module pays on a GPU (measured per mixer); where False, a
+        compiled model keeps the mixer's module eager (megahybrid.train.trainer.compile_model).
     """
 
     char: str
@@ -104,16 +104,11 @@ def check_context_parallel(pattern: str, cp: int) -> None:
 
 
 def eager_mixers(pattern: str) -> str:
-    """The pattern's mixer characters that a compiled model keeps eager (see eager_mixer_modules), each once."""
+    """The pattern's mixer characters that a compiled model keeps eager, each once: those measured slower compiled
+    than eager on the H200 (torch 2.11, tools/bench_train.py --compile all against eager, issue #15). Every mixer
+    compiles and matches eager there (tools/compile_bisect.py) since parameters stay 16-byte aligned under ZeRO
+    (megahybrid.train.engine.param_groups)."""
     return "".join(c for c in dict.fromkeys(pattern) if not mixer_for(c).gpu_compile)
-
-
-def eager_mixer_modules(cfg) -> tuple[type, ...]:
-    """Module classes of the pattern's mixers that a compiled model runs eager. Measured on the H200 (torch 2.11,
-    Triton 3.6, tools/train_smoke.py): compiling the I, D, N or G layers' own elementwise / conv code gives an
-    inductor kernel that raises "CUDA error: misaligned address" on the first step (our Triton ops were already
-    opaque to compile), while S compiles and matches eager (issue #15). The rest of the model still compiles."""
-    return tuple(dict.fromkeys(mixer_for(c).spec(cfg).module for c in eager_mixers(cfg.pattern)))
 
 
 def cp_bytes_per_layer(cfg, cp: int, element_bytes: int) -> dict[str, int]:

@@ -533,11 +533,10 @@ def nats_cp_flops(cfg, cp: int, select: bool = True) -> float:
 
 NATSL = Mixer("N", "NAtS-L", _spec(True), nats_params, nats_flops, nats_state_floats, chunk_size=CHUNK, cp=True,
               cp_bytes=nats_cp_bytes, cp_flops=nats_cp_flops,
-              cache="NAtS-L cache: kept-chunk K/V + open chunk, GDN state + rollback copy, conv tails",
-              gpu_compile=False)
+              cache="NAtS-L cache: kept-chunk K/V + open chunk, GDN state + rollback copy, conv tails")
 GATED_DELTANET = Mixer(
     "G", "Gated DeltaNet", _spec(False), lambda cfg: nats_params(cfg, False), lambda cfg: nats_flops(cfg, False),
     lambda cfg, context: nats_state_floats(cfg, context, False), chunk_size=CHUNK, cp=True,
     cp_bytes=lambda cfg, cp, element_bytes: nats_cp_bytes(cfg, cp, element_bytes, False),
     cp_flops=lambda cfg, cp: nats_cp_flops(cfg, cp, False),
-    cache="GDN state + conv tails", gpu_compile=False)
+    cache="GDN state + conv tails")
