@@ -205,11 +205,10 @@ def _wu_kernel(k, v, beta, G, Ai, w, u, T, H: tl.constexpr, K: tl.constexpr, V: 
         _st(u + (bos * H + i_h) * V, r, c, T, V, H * V, tl.dot(b_A.to(b_v.dtype), b_vb))
 
 
-@_tuned(['H', 'K', 'V', 'BV'], [(4, 1), (4, 2), (8, 2)])
 @triton.jit
-def _fwd_h_kernel(k, w, u, G, keep, h, v_new, h0, ht, T, NT: tl.constexpr, H: tl.constexpr, K: tl.constexpr,
-                  V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DECAY_DROPPED: tl.constexpr,
-                  USE_H0: tl.constexpr, STORE_HT: tl.constexpr):
+def _fwd_h_program(k, w, u, G, keep, h, v_new, h0, ht, T, NT, H: tl.constexpr, K: tl.constexpr,
+                   V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DECAY_DROPPED: tl.constexpr,
+                   USE_H0: tl.constexpr, STORE_HT: tl.constexpr):
     """Sequential inter-chunk recurrence with the commit mask; writes chunk-start states and v'; grid (NV, B*H)."""
     i_v, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
@@ -223,7 +222,7 @@ def _fwd_h_kernel(k, w, u, G, keep, h, v_new, h0, ht, T, NT: tl.constexpr, H: tl
     b_h = tl.zeros([BK, BV], tl.float32)
     if USE_H0:
         b_h += _ld(h0 + i_bh.to(tl.int64) * K * V, ck, cv, K, V, V).to(tl.float32)
-    for i_t in range(NT):
+    for i_t in tl.range(NT):
         _st(h + ((i_b.to(tl.int64) * NT + i_t) * H + i_h) * K * V, ck, cv, K, V, V, b_h)
         r = i_t * 64 + tl.arange(0, 64)
         b_w = _ld(w, r, ck, T, K, H * K)
@@ -237,6 +236,28 @@ def _fwd_h_kernel(k, w, u, G, keep, h, v_new, h0, ht, T, NT: tl.constexpr, H: tl
             b_h += tl.dot(_ld_t(k, r, ck, T, K, H * K), b_vd.to(b_w.dtype))
     if STORE_HT:
         _st(ht + i_bh.to(tl.int64) * K * V, ck, cv, K, V, V, b_h)
+
+
+# The two sequential kernels come in two builds. NT >= 2 chunks: NT a constant (the builds the GPU tests verify).
+# A single chunk (a short prompt, the open chunk of a decoding prefill): NT a runtime bound, because with NT = 1
+# constant Triton folds the loop away and lowers its products another way (2 warp-group dots against 3 in the
+# TTGIR), and that build faulted on the H200 at K = 32, V = 64, fp32 (issue #14); kept a loop it is the NT >= 2
+# program. The interpreter runs the constant build for every NT: it cannot loop to a runtime bound (it holds
+# scalar arguments as 1-element arrays); tl.range, not range, takes a constant passed on to a helper there.
+@_tuned(['H', 'K', 'V', 'BV'], [(4, 1), (4, 2), (8, 2)])
+@triton.jit
+def _fwd_h_kernel(k, w, u, G, keep, h, v_new, h0, ht, T, NT: tl.constexpr, H: tl.constexpr, K: tl.constexpr,
+                  V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DECAY_DROPPED: tl.constexpr,
+                  USE_H0: tl.constexpr, STORE_HT: tl.constexpr):
+    _fwd_h_program(k, w, u, G, keep, h, v_new, h0, ht, T, NT, H, K, V, BK, BV, DECAY_DROPPED, USE_H0, STORE_HT)
+
+
+@_tuned(['H', 'K', 'V', 'BV'], [(4, 1), (4, 2), (8, 2)])
+@triton.jit(do_not_specialize=["NT"])
+def _fwd_h_one_chunk_kernel(k, w, u, G, keep, h, v_new, h0, ht, T, NT, H: tl.constexpr, K: tl.constexpr,
+                            V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DECAY_DROPPED: tl.constexpr,
+                            USE_H0: tl.constexpr, STORE_HT: tl.constexpr):
+    _fwd_h_program(k, w, u, G, keep, h, v_new, h0, ht, T, NT, H, K, V, BK, BV, DECAY_DROPPED, USE_H0, STORE_HT)
 
 
 @_tuned(['H', 'K', 'V'], [(4, 2), (8, 2)])
@@ -288,11 +309,10 @@ def _bwd_dv_local_kernel(q, k, G, do, dv, scale, T, H: tl.constexpr, K: tl.const
         _st(dv + (bos * H + i_h) * V, r, cv, T, V, H * V, tl.dot(b_s.to(b_do.dtype), b_do))
 
 
-@_tuned(['H', 'K', 'V', 'BV'], [(4, 1), (4, 2), (8, 1)])
 @triton.jit
-def _bwd_dh_kernel(q, k, w, G, keep, do, dv_local, dv2, dh, dh0, dht, scale, T, NT: tl.constexpr,
-                   H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                   DECAY_DROPPED: tl.constexpr, USE_DH0: tl.constexpr, USE_DHT: tl.constexpr):
+def _bwd_dh_program(q, k, w, G, keep, do, dv_local, dv2, dh, dh0, dht, scale, T, NT,
+                    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                    DECAY_DROPPED: tl.constexpr, USE_DH0: tl.constexpr, USE_DHT: tl.constexpr):
     """Reverse recurrence of dS_{c+1} (stored per chunk) and the total dv'; grid (NV, B*H)."""
     i_v, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
@@ -308,7 +328,7 @@ def _bwd_dh_kernel(q, k, w, G, keep, do, dv_local, dv2, dh, dh0, dht, scale, T, 
     b_dh = tl.zeros([BK, BV], tl.float32)
     if USE_DHT:
         b_dh += _ld(dht + i_bh.to(tl.int64) * K * V, ck, cv, K, V, V).to(tl.float32)
-    for i_s in range(NT):
+    for i_s in tl.range(NT):
         i_t = NT - 1 - i_s
         _st(dh + ((i_b.to(tl.int64) * NT + i_t) * H + i_h) * K * V, ck, cv, K, V, V, b_dh)
         r = i_t * 64 + tl.arange(0, 64)
@@ -327,6 +347,24 @@ def _bwd_dh_kernel(q, k, w, G, keep, do, dv_local, dv2, dh, dh0, dht, scale, T, 
         b_dh = a * b_dh + tl.dot(b_qt, b_do.to(b_k.dtype)) - tl.dot(b_wt, b_dv.to(b_k.dtype))
     if USE_DH0:
         _st(dh0 + i_bh.to(tl.int64) * K * V, ck, cv, K, V, V, b_dh)
+
+
+@_tuned(['H', 'K', 'V', 'BV'], [(4, 1), (4, 2), (8, 1)])
+@triton.jit
+def _bwd_dh_kernel(q, k, w, G, keep, do, dv_local, dv2, dh, dh0, dht, scale, T, NT: tl.constexpr,
+                   H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                   DECAY_DROPPED: tl.constexpr, USE_DH0: tl.constexpr, USE_DHT: tl.constexpr):
+    _bwd_dh_program(q, k, w, G, keep, do, dv_local, dv2, dh, dh0, dht, scale, T, NT, H, K, V, BK, BV,
+                    DECAY_DROPPED, USE_DH0, USE_DHT)
+
+
+@_tuned(['H', 'K', 'V', 'BV'], [(4, 1), (4, 2), (8, 1)])
+@triton.jit(do_not_specialize=["NT"])
+def _bwd_dh_one_chunk_kernel(q, k, w, G, keep, do, dv_local, dv2, dh, dh0, dht, scale, T, NT,
+                             H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                             DECAY_DROPPED: tl.constexpr, USE_DH0: tl.constexpr, USE_DHT: tl.constexpr):
+    _bwd_dh_program(q, k, w, G, keep, do, dv_local, dv2, dh, dh0, dht, scale, T, NT, H, K, V, BK, BV,
+                    DECAY_DROPPED, USE_DH0, USE_DHT)
 
 
 @_tuned(['H', 'K', 'V'], [(4, 2), (8, 1), (8, 2)])
@@ -527,7 +565,8 @@ def _fwd_h(k, w, u, G, keep, initial_state, output_final_state, decay_dropped):
     v_new = torch.empty_like(u)
     ht = k.new_empty(B, H, K, V, dtype=torch.float32) if output_final_state else None
     BV = _bv(B * H, V, k.device)
-    _fwd_h_kernel[(triton.cdiv(V, BV), B * H)](
+    kernel = _fwd_h_kernel if NT > 1 or interpreting() else _fwd_h_one_chunk_kernel
+    kernel[(triton.cdiv(V, BV), B * H)](
         k, w, u, G, keep, h, v_new, initial_state, ht, T, NT, H=H, K=K, V=V, BK=_state_bk(K, k.device), BV=BV,
         DECAY_DROPPED=decay_dropped, USE_H0=initial_state is not None, STORE_HT=output_final_state)
     return h, v_new, ht
@@ -563,7 +602,8 @@ def chunk_selected_gdn_bwd(q, k, v, beta, keep, G, Ai, scale, initial_state, do,
     dv2 = torch.empty_like(dv_local)
     dh0 = torch.empty(B, H, K, V, device=q.device, dtype=torch.float32) if initial_state is not None else None
     BVs = _bv(B * H, V, q.device)
-    _bwd_dh_kernel[(triton.cdiv(V, BVs), B * H)](
+    kernel = _bwd_dh_kernel if NT > 1 or interpreting() else _bwd_dh_one_chunk_kernel
+    kernel[(triton.cdiv(V, BVs), B * H)](
         q, k, w, G, keep, do, dv_local, dv2, dh, dh0, dht, scale, T, NT, H=H, K=K, V=V, BK=_state_bk(K, q.device),
         BV=BVs,
         DECAY_DROPPED=decay_dropped, USE_DH0=dh0 is not None, USE_DHT=dht is not None)
