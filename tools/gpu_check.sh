@@ -1,18 +1,30 @@
 #!/usr/bin/env bash
-# One device call that checks what a GPU session must check, then times: every gpu-marked test (each kernel's
-# backward against the fp32 reference ON the GPU: Triton 3.6 on Hopper miscompiles some layouts silently), then
-# the Interdomain benchmark. Run from the repo root on the device machine with `.whl` carried:
-#   MEGAHYBRID_COMMIT=<hash> bash tools/gpu_check.sh [pytest-only|bench-only]
-# The tests run in 14 processes (pytest-xdist, in the device image): compiling every kernel variant one after the
-# other took over 8 minutes, more than one call's limit. Logs go to $OUT.
+# The GPU checks a device session runs, each part fitting one call: every gpu-marked test (each kernel's backward
+# against the fp32 reference ON the GPU: Triton 3.6 on Hopper miscompiles some layouts silently), then the
+# Interdomain benchmark. Run from the repo root on the device machine with `.whl` carried:
+#   MEGAHYBRID_COMMIT=<hash> bash tools/gpu_check.sh [kernels|stack|bench|all]
+# kernels: tests/kernels (about 4 minutes); stack: the other gpu tests, which train, export and decode models in
+# subprocesses (about 5 minutes); all: both then bench, more than one call's 10 minutes. The tests run in 14
+# processes (pytest-xdist, in the device image): one after the other they take far longer than a call. Logs go
+# to $OUT.
 . tools/gpu_env.sh || exit 1
-mode=${1:-all}
+mode=${1:-kernels}
 set -o pipefail
 export PYTHONFAULTHANDLER=1
-if [ "$mode" != bench-only ]; then
-  timeout -k 5 300 python3 -m pytest -n 14 -v -m gpu -p no:cacheprovider --timeout 280 tests/ 2>&1 \
-    | tee "${OUT:-/tmp}/gpu-tests.log" | grep -E "FAILED|ERROR|Timeout|passed|failed"
+
+run_tests() {  # NAME PATHS...: stops at 290 s with a summary (SIGINT), the log in $OUT/gpu-tests-NAME.log
+  local name=$1
+  shift
+  timeout -s INT -k 20 290 python3 -m pytest -n 14 -v -m gpu -p no:cacheprovider --timeout 260 --tb=short -rfE \
+    "$@" 2>&1 | tee "${OUT:-/tmp}/gpu-tests-$name.log" | grep -E "^(FAILED|ERROR)|Timeout|passed|failed"
+}
+
+if [ "$mode" = kernels ] || [ "$mode" = all ]; then
+  run_tests kernels tests/kernels
 fi
-if [ "$mode" != pytest-only ]; then
+if [ "$mode" = stack ] || [ "$mode" = all ]; then
+  run_tests stack tests --ignore=tests/kernels
+fi
+if [ "$mode" = bench ] || [ "$mode" = all ]; then
   timeout -k 5 280 python3 tools/bench_interdomain.py --budget-s 200 2>&1 | tee "${OUT:-/tmp}/bench.log" | tail -45
 fi
