@@ -294,6 +294,9 @@ class Trainer:
 
     def _compile_text(self) -> str:
         eager = eager_mixers(self.plan.model.pattern) if self.compiled else ""
+        if self.cfg.train.compile == "auto" and not self.compiled and torch.cuda.is_available() \
+                and zero_stage(self.ds_config) == 3:
+            return "False(auto: not under ZeRO-3 on a GPU)"
         return f"True(eager mixers: {eager})" if eager else str(self.compiled)
 
     def print_start(self) -> None:
