@@ -162,7 +162,7 @@ def test_version_extensions_cache_and_compile_default(capsys, monkeypatch):
 
     from megahybrid import __version__
     from megahybrid.cli import default_torch_extensions_dir, main
-    from megahybrid.train.config import load_config, resolved_compile
+    from megahybrid.train.config import load_config, load_deepspeed_config, resolved_compile
 
     with pytest.raises(SystemExit) as done:
         main(["--version"])
@@ -172,15 +172,20 @@ def test_version_extensions_cache_and_compile_default(capsys, monkeypatch):
     monkeypatch.setattr(os, "environ", {k: v for k, v in os.environ.items() if k != "TORCH_EXTENSIONS_DIR"})
     assert main(["train", "--config", "demo", "train.steps=0"]) == 2
     assert os.environ["TORCH_EXTENSIONS_DIR"] == default_torch_extensions_dir()
-    assert [resolved_compile(load_config("demo"), gpu) for gpu in (False, True)] == [False, True]
-    assert not resolved_compile(load_config("demo", ["train.compile=off"]), True)
+
+    def compiles(overrides: list, gpu: bool) -> bool:
+        cfg = load_config("demo", overrides)
+        return resolved_compile(cfg, gpu, load_deepspeed_config(cfg.train.deepspeed_config))
+
+    assert [compiles([], gpu) for gpu in (False, True)] == [False, True]
+    assert not compiles(["train.compile=off"], True)
     with pytest.raises(ConfigError, match="train.compile='fast': choose auto"):
-        resolved_compile(load_config("demo", ["train.compile=fast"]), True)
+        compiles(["train.compile=fast"], True)
     zero3 = ["train.deepspeed_config=zero3"]
-    assert not resolved_compile(load_config("demo", zero3), True)
-    assert resolved_compile(load_config("demo", [*zero3, "train.compile=true"]), False)
+    assert not compiles(zero3, True)
+    assert compiles([*zero3, "train.compile=true"], False)
     with pytest.raises(ConfigError, match="train.compile=true with ZeRO-3 on a GPU"):
-        resolved_compile(load_config("demo", [*zero3, "train.compile=true"]), True)
+        compiles([*zero3, "train.compile=true"], True)
 
 
 @pytest.mark.slow

@@ -13,6 +13,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from megahybrid_kernels.nats.attention import chunk as attn  # noqa: E402
 from megahybrid_kernels.nats.attention import naive_chunk_selected_attention  # noqa: E402
+from tools.bench_nats_attention import rel_err  # noqa: E402
 from tools.benchutil import format_table  # noqa: E402
 
 VARIANTS = [("base", {})] + [
@@ -35,10 +36,6 @@ def outputs(fn, q, k, v, keep, do):
     return (o, *torch.autograd.grad(o, leaves, do))
 
 
-def rel(a, b):
-    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
-
-
 def probe(Dk, Dv, dtype):
     inputs = make_inputs(Dk, Dv, dtype)
     ref = outputs(naive_chunk_selected_attention, *(x.float() for x in inputs))
@@ -51,7 +48,7 @@ def probe(Dk, Dv, dtype):
         try:
             out = outputs(attn.chunk_selected_attention, *inputs)
             torch.cuda.synchronize()
-            row.update({n: f"{rel(a, b):.1e}" for n, a, b in zip(("o", "dq", "dk", "dv", "dkeep"), out, ref)})
+            row.update({n: f"{rel_err(a, b):.1e}" for n, a, b in zip(("o", "dq", "dk", "dv", "dkeep"), out, ref)})
         except Exception as e:  # a setting that does not compile or fit is reported, not fatal
             row["o"] = f"{type(e).__name__}: {str(e)[:60]}"
         rows.append(row)

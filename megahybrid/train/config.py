@@ -324,8 +324,8 @@ def validate(cfg: RunConfig, world_size: int, has_gpu: bool, check_data: bool = 
     _check_numbers(cfg)
     _check_batch(cfg, layout)
     precision = resolved_precision(cfg, has_gpu)
-    resolved_compile(cfg, has_gpu)
     ds = load_deepspeed_config(cfg.train.deepspeed_config)
+    resolved_compile(cfg, has_gpu, ds)
     _check_zero(ds, has_gpu)
     if check_data and not cfg.data.builtin and not cfg.data.synthetic:
         data_config(cfg).validate(model.seq_length, model.vocab_size)
@@ -386,7 +386,7 @@ def resolved_precision(cfg: RunConfig, has_gpu: bool) -> str:
     return value
 
 
-def resolved_compile(cfg: RunConfig, has_gpu: bool) -> bool:
+def resolved_compile(cfg: RunConfig, has_gpu: bool, ds: dict) -> bool:
     """auto compiles on a GPU (except under ZeRO-3, below), true wherever asked; either way the mixers measured
     slower compiled stay eager inside the compiled model (Trainer.compile_model, issue #15)."""
     value = cfg.train.compile
@@ -394,7 +394,7 @@ def resolved_compile(cfg: RunConfig, has_gpu: bool) -> bool:
         raise ConfigError(f"train.compile={value!r}: choose auto (on with a GPU, off on CPU), true or false")
     # Measured on the H200 image (torch 2.11): under ZeRO-3's parameter hooks dynamo fails an internal assertion
     # tracing megatron's vocab-parallel cross entropy (tests/test_reliability.py); torch 2.13 on CPU compiles it.
-    zero3_gpu = has_gpu and zero_stage(load_deepspeed_config(cfg.train.deepspeed_config)) == 3
+    zero3_gpu = has_gpu and zero_stage(ds) == 3
     if value is True and zero3_gpu:
         raise ConfigError("train.compile=true with ZeRO-3 on a GPU fails in torch.compile (megatron's "
                           "vocab-parallel cross entropy); use train.compile=auto or false, or ZeRO-1/2")

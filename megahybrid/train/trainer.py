@@ -98,7 +98,7 @@ class Trainer:
         self.init_source = self._init_weights(resume)
         self.engine, self.optimizer, self.ds_config = build_engine(
             self.model, self.cfg, self.groups, plan.ds_base, plan.precision)
-        self.compiled = resolved_compile(self.cfg, torch.cuda.is_available())
+        self.compiled = resolved_compile(self.cfg, torch.cuda.is_available(), plan.ds_base)
         if self.compiled:
             compile_model(self.engine, plan.model)
         self.gas = self.engine.gradient_accumulation_steps()
@@ -294,8 +294,7 @@ class Trainer:
 
     def _compile_text(self) -> str:
         eager = eager_mixers(self.plan.model.pattern) if self.compiled else ""
-        if self.cfg.train.compile == "auto" and not self.compiled and torch.cuda.is_available() \
-                and zero_stage(self.ds_config) == 3:
+        if self.cfg.train.compile == "auto" and not self.compiled and torch.cuda.is_available():
             return "False(auto: not under ZeRO-3 on a GPU)"
         return f"True(eager mixers: {eager})" if eager else str(self.compiled)
 

@@ -14,7 +14,8 @@ import torch.nn.functional as F
 from megahybrid_kernels.nats import chunk_selected_gdn, chunk_selected_gdn_step
 from megahybrid_kernels.nats.gdn import chunk as gdn_chunk
 from megahybrid_kernels.nats.gdn import naive_chunk_selected_gdn
-from tests.utils import HAS_CUDA, assert_close, nan_poisoned_empty, rel_rms_error, requires_gpu, test_device
+from tests.utils import (HAS_CUDA, assert_close, nan_poisoned_empty, rel_rms_error, requires_gpu,
+                         subprocess_pythonpath, test_device)
 
 DEV = test_device()
 # fp32 on a GPU runs tl.dot in tf32; in the interpreter it is exact fp32
@@ -266,7 +267,7 @@ def run_grid_case(K, V, dtype, Ts, B=2, H=2, g_scale=None):
     code = (f"import json; from tests.kernels.test_nats_gdn import grid_errors; "
             f"print('GRID', json.dumps(grid_errors({K}, {V}, {dtype!r}, {list(Ts)}, {B}, {H}, {g_scale})))")
     root = str(Path(__file__).resolve().parents[2])
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+    env = dict(os.environ, PYTHONPATH=subprocess_pythonpath())
     proc = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True,
                           timeout=270)
     assert proc.returncode == 0, f"K={K} V={V} {dtype} failed (rc {proc.returncode}):\n{proc.stderr[-3000:]}"
