@@ -21,7 +21,7 @@ from tools.train_smoke import MARK, outcome, spawn  # noqa: E402
 # "module:attr" or "module:Class.method", kept eager in turn
 PIECES = {
     "I": ["fresh-op-io", "interdomain:S4DCore._discretize", "interdomain:rope", "interdomain:feature_map", "interdomain:HeadNorm.forward",
-          "interdomain:causal_conv", "interdomain:_Input.forward", "interdomain:InterdomainMixer.mix"],
+          "interdomain:causal_depthwise_conv", "interdomain:_Input.forward", "interdomain:InterdomainMixer.mix"],
     "G": ["fresh-op-io", "nats:NatsLayer._conv", "nats:NatsLayer._inputs", "nats:NatsLayer._merge", "nats:_rms",
           "nats:NatsLayer._mix", "nats:NatsLayer.forward"],
 }

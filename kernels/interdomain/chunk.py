@@ -53,9 +53,7 @@ def interdomain_bwd(q, k, v, decay, b, u0, g0, do, duf, dgf, chunk_size=64, star
     else:
         araw, dar = torch.empty_like(a, dtype=torch.float32), torch.empty_like(a, dtype=torch.float32)
         readout_bwd_a(q, k, v, do, ub, gb, b, pw, C, a=a, da=da, part=part_a, p=p, araw=araw, dar=dar, plan=plan)
-        # dP[m, n] = sum over tokens of conj(a_m) d(a P)_n
-        cplx = lambda x: torch.complex(x[..., 0, :], x[..., 1, :])  # noqa: E731
-        dp = torch.view_as_real(torch.einsum("bthm,bthn->hmn", cplx(araw).conj(), cplx(dar)))
+        dp = readout_p_grad(araw, dar)
     rub, du0, _ = scan(q, b, pw, decay, C, c=da, x0=duf, rev=True, plan=plan)
     rgb, dg0, _ = scan(do, b, pw, decay, C, c=a, x0=dgf, rev=True, plan=plan)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
@@ -67,6 +65,19 @@ def interdomain_bwd(q, k, v, decay, b, u0, g0, do, duf, dgf, chunk_size=64, star
     ddecay = torch.stack((sums[:, 2], sums[:, 3]), -1).float()
     dbb = torch.stack((sums[:, 0], sums[:, 1]), -1).float()
     return dq, dk, dv, ddecay, dbb, du0 if u0 is not None else None, dg0 if g0 is not None else None, dp
+
+
+def readout_p_grad(araw: torch.Tensor, dar: torch.Tensor) -> torch.Tensor:
+    """dP[h, m, n] = sum over tokens of conj(a_m) d(aP)_n, as [H, M, M, 2] (re, im), from araw, dar [B, T, H, 2, M]
+    fp32: one real product of the stacked (re, im) parts per head. (A complex einsum ran cuBLAS's complex kernel
+    at 1.4 ms per 125M layer call on the H200, 10% of the step; the real product does four times the multiplies
+    on the fast path.)"""
+    B, T, H, _, M = araw.shape
+    a = araw.reshape(B * T, H, 2 * M).transpose(0, 1)  # [H, tokens, 2M]
+    d = dar.reshape(B * T, H, 2 * M).transpose(0, 1)
+    g = torch.bmm(a.transpose(1, 2), d)  # [H, 2M, 2M]: blocks (re re, re im; im re, im im)
+    rr, ri, ir, ii = g[:, :M, :M], g[:, :M, M:], g[:, M:, :M], g[:, M:, M:]
+    return torch.stack((rr + ii, ri - ir), -1)
 
 
 class InterdomainFunction(torch.autograd.Function):

@@ -6,14 +6,14 @@ lambda [H, M] and b [H, M] as the Interdomain op:
     s_t[m, d] = lambda[m] s_{t-1}[m, d] + b[m] x_t[d]          (complex state [M, D] per head)
     y_t[d]    = sum_m Re(c[m, d] s_t[m, d])                    (c: learned complex readout [M, D] per head)
 
-The state layout is the op's: real pairs [B, H, M, 2, D] fp32. `s4d_contraction` is a torch chunked
-implementation (any device, differentiable through autograd): within a chunk the map x -> y is a causal
-convolution with the kernel K[tau, d] = Re(sum_m c[m, d] b[m] lambda[m]^tau) (a Toeplitz matmul), and the chunk
-boundary states carry the rest. `s4d_contraction_naive` is the token loop that defines it.
+The state layout is the op's: real pairs [B, H, M, 2, D] fp32. `s4d_contraction` is the training path
+(any device, differentiable through autograd): the map x -> y is a causal convolution of each channel with the
+kernel K[tau, d] = Re(sum_m c[m, d] b[m] lambda[m]^tau), taken by FFT. `s4d_contraction_naive` is the token loop
+that defines it.
 """
 import torch
 
-__all__ = ["s4d_contraction", "s4d_contraction_naive", "s4d_contraction_step"]
+__all__ = ["s4d_contraction", "s4d_contraction_naive", "s4d_contraction_step", "zero_start_state"]
 
 
 def _complex(pairs: torch.Tensor) -> torch.Tensor:
@@ -71,41 +71,55 @@ def s4d_contraction_step(x, decay, b, c, state):
     return y.to(x.dtype), _state_pairs(s)
 
 
-def s4d_contraction(x, decay, b, c, initial_state=None, output_final_state=False, chunk_size=64):
-    """Chunked S4D contraction (same arguments and results as `s4d_contraction_naive`)."""
+def _powers(decay: torch.Tensor, n: int) -> torch.Tensor:
+    """lambda^tau for tau = 0..n-1 as complex64 [n, H, M], formed in float64: at tau in the thousands a float32
+    tau * arg(lambda) would already be off by ~1e-3 rad."""
+    log_lam = torch.complex(decay[..., 0].double(), decay[..., 1].double())
+    tau = torch.arange(n, device=decay.device, dtype=torch.float64)
+    return torch.exp(tau[:, None, None] * log_lam).to(torch.complex64)
+
+
+def _stack(z: torch.Tensor, dim: int) -> torch.Tensor:
+    """complex -> (re, im) stacked along `dim` (real products of complex operands: re(a b) = a_re b_re - a_im b_im
+    is one real product of (a_re, a_im) with (b_re, -b_im))."""
+    return torch.cat((z.real, z.imag), dim)
+
+
+def zero_start_state(x, decay, b, powers=None) -> torch.Tensor:
+    """The state after x [B, T, H, D] from a zero start, s = sum_s b lambda^(T-1-s) x_s, as complex [B, H, M, D]:
+    one real product per head (also a CP shard's summary). powers: lambda^tau for tau < T if already formed."""
+    T = x.shape[1]
+    powers = _powers(decay, T) if powers is None else powers
+    weights = powers[:T].flip(0) * _complex(b)  # b lambda^(T-1-s), [T, H, M]
+    s = torch.einsum("shk,bshd->bhkd", _stack(weights, -1), x.float())  # [B, H, 2M, D]: (re, im) of the sum
+    M = s.shape[2] // 2
+    return torch.complex(s[:, :, :M], s[:, :, M:])
+
+
+def s4d_contraction(x, decay, b, c, initial_state=None, output_final_state=False):
+    """S4D contraction by FFT convolution (same arguments and results as `s4d_contraction_naive`).
+
+    Each channel's output is the causal convolution of its input with K[tau, h, d] = Re(sum_m c b lambda^tau), the
+    S4D kernel, taken by FFT in O(T log T) (how S4D trains); an initial state adds Re(sum_m c lambda^(t+1) s0), and
+    the final state is lambda^T s0 + sum_s b lambda^(T-1-s) x_s. The kernel, the initial-state term and the final
+    state are each one real matrix product per head (cuBLAS's complex kernels are several times slower)."""
     check_s4d_inputs(x, decay, b, c, initial_state)
     B, T, H, D = x.shape
-    L = chunk_size
-    N = -(-T // L)
-    xf = torch.nn.functional.pad(x.float(), (0, 0, 0, 0, 0, N * L - T)).view(B, N, L, H, D)
-    log_lam = _complex(decay)  # [H, M]
-    bc, cc = _complex(b), _complex(c)
-    tau = torch.arange(L + 1, device=x.device, dtype=torch.float32)
-    powers = torch.exp(tau[:, None, None] * log_lam)  # lambda^tau, [L + 1, H, M]
-
-    kernel = torch.einsum("thm,hmd->thd", powers[:L] * bc, cc).real  # [L, H, D]
-    lag = torch.arange(L, device=x.device)
-    lag = lag[:, None] - lag[None, :]
-    toeplitz = kernel[lag.clamp(min=0)] * (lag >= 0)[..., None, None]  # [t, s, H, D]
-    y = torch.einsum("tshd,bnshd->bnthd", toeplitz, xf)
-
-    weights = powers[:L].flip(0) * bc  # b lambda^(L-1-s), [L, H, M]
-    inputs = torch.complex(xf, torch.zeros_like(xf))
-    contrib = torch.einsum("shm,bnshd->bnhmd", weights, inputs)  # each chunk's own state at its end
-    s = (_state_complex(initial_state) if initial_state is not None
-         else torch.zeros(B, H, decay.shape[1], D, dtype=torch.complex64, device=x.device))
-    starts = []
-    for n in range(N):
-        starts.append(s)
-        s = powers[L][None, :, :, None] * s + contrib[:, n]
-    start = torch.stack(starts, 1)  # [B, N, H, M, D]
-    carry = powers[1:, :, :, None] * cc[None]  # c lambda^(t+1), [L, H, M, D]
-    y = y + torch.einsum("thmd,bnhmd->bnthd", carry, start).real
-    y = y.reshape(B, N * L, H, D)[:, :T].to(x.dtype)
+    powers = _powers(decay, T + 1)  # [T + 1, H, M]
+    bc, cc = _complex(b), _complex(c)  # [H, M], [H, M, D]
+    cb = cc * bc[..., None]
+    kernel = torch.einsum("thk,hkd->thd", _stack(powers[:T], -1), _stack(cb.conj(), 1))  # [T, H, D]
+    n = 1 << (2 * T - 1).bit_length()  # no wrap-around of the causal product
+    xf = x.float()
+    spectrum = torch.fft.rfft(xf, n=n, dim=1) * torch.fft.rfft(kernel, n=n, dim=0)
+    y = torch.fft.irfft(spectrum, n=n, dim=1)[:, :T]
+    s0 = _state_complex(initial_state) if initial_state is not None else None
+    if s0 is not None:  # Re(sum_m c lambda^(t+1) s0)
+        y = y + torch.einsum("thk,bhkd->bthd", _stack(powers[1:], -1), _stack((cc * s0).conj(), 2))
+    y = y.to(x.dtype)
     if not output_final_state:
         return y, None
-    rest = T - (N - 1) * L  # tokens of the last chunk that are real
-    if rest < L:
-        tail = torch.einsum("shm,bshd->bhmd", powers[:rest].flip(0) * bc, inputs[:, N - 1, :rest])
-        s = powers[rest][None, :, :, None] * starts[-1] + tail
+    s = zero_start_state(xf, decay, b, powers)
+    if s0 is not None:
+        s = s + powers[T][None, :, :, None] * s0
     return y, _state_pairs(s)

@@ -61,6 +61,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megahybrid.errors import ConfigError
 from megahybrid.model.cp import layer_cp_group
 from megahybrid.model.mixers import Mixer
+from megahybrid.model.mixers.shortconv import causal_depthwise_conv
 
 FEATURE_EPS = 1e-6
 CHUNK = 64
@@ -172,15 +173,6 @@ class HeadNorm(torch.nn.Module):
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * weight + self.bias
 
 
-def causal_conv(x: torch.Tensor, weight: torch.Tensor, tail: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Depthwise causal conv. x [B, T, C]; weight [C, K]; tail [B, K-1, C] = the inputs before x (zeros at the
-    start). Returns y [B, T, C] and the new tail."""
-    K = weight.shape[-1]
-    xp = torch.cat((tail.to(x.dtype), x), 1)
-    y = F.conv1d(xp.transpose(1, 2), weight.to(x.dtype)[:, None, :], groups=x.shape[-1]).transpose(1, 2)
-    return y, xp[:, xp.shape[1] - (K - 1):]
-
-
 def rope(x: torch.Tensor, offset: int, base: float) -> torch.Tensor:
     """Rotate-half RoPE over the last dim of x [B, T, H, R] at positions offset, offset + 1, ..."""
     R = x.shape[-1]
@@ -237,7 +229,7 @@ class _Input(torch.nn.Module):
 
             tail = previous_shard_tail(conv_in, d.conv_size - 1, cp_group)
             offset += torch.distributed.get_rank(cp_group) * T
-        conv_out, tail = causal_conv(conv_in, self.conv.reshape(-1, d.conv_size), tail)
+        conv_out, tail = causal_depthwise_conv(conv_in, self.conv.reshape(-1, d.conv_size), tail)
         x = torch.cat((conv_out.view(B, T, d.n_local, -1), x[..., self.conv_width:]), -1)
         parts = dict(zip(self.names, x.split(self.widths, -1)))
         for s in parts:
@@ -293,6 +285,7 @@ class QueryReadout(torch.nn.Module):
         q, k, v = parts["q"], parts.get("k", parts.get("a")), parts.get("v", parts.get("b"))
         C = self.C.float()
         if q.shape[1] == 1:
+            state = state if state is not None else self.zero_state(q.shape[0], q.device)
             o, new = interdomain_step(q[:, 0], k[:, 0], v[:, 0], decay, b, state, readout=C)
             return o[:, None], new
         return interdomain_attention(q, k, v, decay, b, state, True, self.normalize, CHUNK, readout=C)
@@ -325,20 +318,20 @@ class ContractionReadout(torch.nn.Module):
 
         x = torch.cat(list(parts.values()), -1)
         if x.shape[1] == 1:
+            state = state if state is not None else self.zero_state(x.shape[0], x.device)
             y, new = s4d_contraction_step(x[:, 0], decay, b, self.C.float(), state[0])
             return y[:, None], (new,)
-        y, new = s4d_contraction(x, decay, b, self.C.float(), state[0], True, CHUNK)
+        y, new = s4d_contraction(x, decay, b, self.C.float(), state[0] if state is not None else None, True)
         return y, (new,)
 
 
 def shard_summary(inputs: torch.Tensor, decay: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """The zero-start final state of a shard in closed form, h[m, d] = sum_t b[m] lambda[m]^(S-1-t) x_t[d]:
-    inputs [B, S, H, D] -> complex [B, H, M, D] (one einsum; the core's chunked pass would cost a full run)."""
-    S = inputs.shape[1]
-    log_lam = torch.complex(decay[..., 0], decay[..., 1])
-    lag = torch.arange(S - 1, -1, -1, device=inputs.device, dtype=torch.float32)
-    weights = torch.exp(lag[:, None, None] * log_lam) * torch.complex(b[..., 0], b[..., 1])  # [S, H, M]
-    return torch.einsum("shm,bshd->bhmd", weights, inputs.float().to(torch.complex64))
+    inputs [B, S, H, D] -> complex [B, H, M, D] (one product per head; the core's chunked pass would cost a full
+    run)."""
+    from megahybrid_kernels.interdomain.s4d import zero_start_state
+
+    return zero_start_state(inputs, decay, b)
 
 
 def shard_initial_state(inputs: tuple[torch.Tensor, ...], decay, b, group, like) -> tuple[torch.Tensor, ...]:
@@ -403,14 +396,14 @@ class InterdomainMixer(MegatronModule):
     def mix(self, hidden: torch.Tensor, initial: MixerState | None = None, offset: int = 0):
         """The mixer on hidden [S, B, d] continuing from `initial` (None: the sequence starts here) at position
         `offset`. Returns (out [S, B, d] before the bias-dropout-add, the final MixerState)."""
-        batch = hidden.shape[1]
         cp_group = layer_cp_group(self.config) if initial is None else None
-        initial = initial or self.zero_state(batch, hidden.device)
-        parts, tail = self.inputs(hidden, initial.conv, offset, cp_group)
+        # no initial state at a sequence start: the ops then skip the zero state's loads and products
+        parts, tail = self.inputs(hidden, initial.conv if initial else None, offset, cp_group)
         decay, b = self.core.discretized()
-        core = initial.core
+        core = initial.core if initial else None
         if cp_group is not None:
-            core = shard_initial_state(self.readout.state_inputs(parts), decay, b, cp_group, core)
+            like = self.readout.zero_state(hidden.shape[1], hidden.device)
+            core = shard_initial_state(self.readout.state_inputs(parts), decay, b, cp_group, like)
         o, state = self.readout(parts, decay, b, core)
         key = parts.get("k", parts.get("a")).detach()
         # small tensors only (no host sync, no activation kept); tensorboard_scalars reduces them when asked

@@ -59,6 +59,7 @@ from megahybrid_kernels.nats.attention import SelectedAttentionCache, selected_a
 from megahybrid.errors import ConfigError
 from megahybrid.model.cp import gather_sequence, layer_cp_group, prefix_states_matrix, previous_shard_tail
 from megahybrid.model.mixers import Mixer
+from megahybrid.model.mixers.shortconv import causal_depthwise_conv
 
 CHUNK = 64  # the selection granularity of NAtS-L and the chunk of both ops
 
@@ -205,10 +206,9 @@ class NatsLayer(MegatronModule):
     def _conv(self, qkv: torch.Tensor, tail: torch.Tensor | None):
         """Causal depthwise conv + SiLU over [B, T, H, C]; also returns the last conv_size - 1 inputs."""
         B, T, H, C = qkv.shape
-        x = qkv.reshape(B, T, H * C).transpose(1, 2)
-        x = torch.cat([tail, x], -1) if tail is not None else F.pad(x, (self.conv_size - 1, 0))
-        y = F.conv1d(x, self.conv_weight.reshape(H * C, 1, self.conv_size), groups=H * C)
-        return F.silu(y).transpose(1, 2).reshape(B, T, H, C), x[..., x.shape[-1] - (self.conv_size - 1):]
+        weight = self.conv_weight.reshape(H * C, self.conv_size)
+        y, tail = causal_depthwise_conv(qkv.reshape(B, T, H * C), weight, tail)
+        return F.silu(y).view(B, T, H, C), tail
 
     def _inputs(self, parts, tail=None, cp_group=None):
         """q, k, v (after conv and SiLU), gate, g (log decay, fp32), beta, score logits (or None), conv tail.
@@ -216,7 +216,7 @@ class NatsLayer(MegatronModule):
         qkv, gate, a, b = parts[:4]
         if cp_group is not None:
             B, T, H, C = qkv.shape
-            tail = previous_shard_tail(qkv.reshape(B, T, H * C), self.conv_size - 1, cp_group).transpose(1, 2)
+            tail = previous_shard_tail(qkv.reshape(B, T, H * C), self.conv_size - 1, cp_group)
         qkv, tail = self._conv(qkv, tail)
         q, k, v = qkv.split([self.K, self.K, self.V], -1)
         g = -self.A_log.exp() * F.softplus(a[..., 0].float() + self.dt_bias)
