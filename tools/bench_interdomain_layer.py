@@ -19,7 +19,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 
-from benchutil import format_table, save_results, time_ms  # noqa: E402
+from benchutil import format_table, graphed, save_results, time_ms  # noqa: E402
 from megahybrid.distributed import init_distributed, shutdown  # noqa: E402
 from megahybrid.model.config import preset  # noqa: E402
 from megahybrid.model.decode import new_context, step_logits  # noqa: E402
@@ -33,23 +33,6 @@ def kv_cache_gib(cfg, batch: int, context: int) -> float:
     return 2 * cfg.num_layers * batch * context * cfg.kv_heads * cfg.head_dim * 2 / 2**30
 
 
-def _graphed(step):
-    """A CUDA-graph replay of step(), or the reason the capture failed."""
-    try:
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(3):
-                step()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            step()
-        return graph.replay
-    except Exception as err:  # the row reports it; the eager time stands
-        return f"{type(err).__name__}: {str(err).splitlines()[0][:60]}"
-
-
 def bench_one(model, cfg, batch: int, context: int) -> dict:
     ctx = new_context(batch, context + 1)
     tokens = torch.randint(0, cfg.vocab_size, (batch, PROMPT), device="cuda")
@@ -61,7 +44,7 @@ def bench_one(model, cfg, batch: int, context: int) -> dict:
         step_logits(model, token, ctx)
 
     eager = time_ms(step)
-    graph = _graphed(step)
+    graph = graphed(step)
     graphed = time_ms(graph) if callable(graph) else graph
     return {"model": cfg.pattern, "batch": batch, "context": context, "eager ms": eager, "graphed ms": graphed}
 

@@ -34,6 +34,24 @@ def time_ms(fn, warmup_ms: float = 50, rep_ms: float = 200, grad_to_none=None) -
                                          return_mode="median"))
 
 
+def graphed(step):
+    """A CUDA-graph replay of step() (captured after three warm-up calls on a side stream), or the reason the
+    capture failed, for the row to show (the eager time still stands)."""
+    try:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(3):
+                step()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step()
+        return graph.replay
+    except Exception as err:
+        return f"{type(err).__name__}: {str(err).splitlines()[0][:60]}"
+
+
 def peak_memory_mib(fn) -> float:
     """Peak allocated CUDA memory above the pre-call level while running fn() once, in MiB."""
     torch.cuda.synchronize()

@@ -91,7 +91,7 @@ def test_decode_steps_value_head_dim_differs():
         outs.append(selected_attention_step(q[:, t], k[:, t], v[:, t], cache))
         if cache.chunk_full():
             cache.commit(keep[:, :, t // C])
-    assert cache.v_kept.shape[-1] == Dv and cache.k_kept.shape[-1] == Dk
+    assert cache.v.shape[-1] == Dv and cache.k.shape[-1] == Dk
     assert_close(torch.stack(outs, 1), expected[:, 20:], TOL_FP32, "o (decode)")
 
 
@@ -163,19 +163,25 @@ def test_compacted_kv_forward_equals_block_skipping(nan_empty):
     assert_close(lse_c, lse, TOL_FP32, "lse")
 
 
-def test_decode_steps_equal_op():
+@pytest.mark.parametrize("prompt", [1, 32, 40, 64, 150])
+def test_decode_steps_equal_op(prompt):
+    """A prompt of part of a chunk, exactly one or two chunks, or the whole sequence, then steps."""
     B, T, H, D, C = 2, 150, 2, 16, 32
     q, k, v, keep, _ = make_inputs(B, T, H, D, C=C, seed=7, device="cpu")
     expected = naive_chunk_selected_attention(q, k, v, keep, chunk_size=C)
-    prompt = 40
     cache = selected_attention_prefill(k[:, :prompt], v[:, :prompt], keep[..., : math.ceil(prompt / C)], C)
     outs = []
     for t in range(prompt, T):
         outs.append(selected_attention_step(q[:, t], k[:, t], v[:, t], cache))
         if cache.chunk_full():
             cache.commit(keep[:, :, t // C])
-    assert_close(torch.stack(outs, 1), expected[:, prompt:], TOL_FP32, "o (decode)")
-    assert int(cache.n_kept.max()) == C * int(keep[..., : T // C].sum(-1).max())
+    if outs:
+        assert_close(torch.stack(outs, 1), expected[:, prompt:], TOL_FP32, "o (decode)")
+    assert torch.equal(cache.n_kept, C * keep[..., : T // C].sum(-1).long())
+    for b, h in ((0, 0), (1, 1)):  # the cache holds exactly the kept chunks, in order
+        chunks = [c for c in range(T // C) if keep[b, h, c] == 1]
+        rows = torch.cat([k[b, c * C:(c + 1) * C, h] for c in chunks]) if chunks else k.new_zeros(0, D)
+        assert torch.equal(cache.kept(b, h)[0], rows)
 
 
 def test_decode_cache_holds_only_kept_chunks():
@@ -183,8 +189,12 @@ def test_decode_cache_holds_only_kept_chunks():
     q, k, v, _, _ = make_inputs(B, 3 * C, H, D, C=C, seed=8, device="cpu")
     keep = torch.tensor([[[0.0, 0.0, 0.0], [1.0, 0.0, 1.0]]])
     cache = selected_attention_prefill(k, v, keep, C)
-    assert cache.n_kept.tolist() == [[0, 2 * C]] and cache.k_kept.shape[2] == 2 * C and cache.n_cur == 0
-    assert torch.equal(cache.k_kept[0, 1, C:], k[0, 2 * C:, 1])
+    assert cache.n_kept.tolist() == [[0, 2 * C]] and cache.n_cur == 0
+    assert cache.k.shape[2] == 3 * C  # the two kept chunks and room for the next one
+    keys, values = cache.kept(0, 1)
+    assert torch.equal(keys, torch.cat((k[0, :C, 1], k[0, 2 * C:, 1])))
+    assert torch.equal(values, torch.cat((v[0, :C, 1], v[0, 2 * C:, 1])))
+    assert cache.kept(0, 0)[0].shape[0] == 0
 
 
 def bad_inputs():

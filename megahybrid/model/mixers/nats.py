@@ -138,7 +138,7 @@ class NatsDecodeCache:
         tensors = [self.conv_tail, self.state, self.rollback]
         if self.attention is not None:
             c = self.attention
-            tensors += [c.k_kept, c.v_kept, c.k_cur, c.v_cur]
+            tensors += [c.k, c.v]
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
