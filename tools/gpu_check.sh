@@ -2,11 +2,11 @@
 # The GPU checks a device session runs, each part fitting one call: every gpu-marked test (each kernel's backward
 # against the fp32 reference ON the GPU: Triton 3.6 on Hopper miscompiles some layouts silently), then the
 # Interdomain benchmark. Run from the repo root on the device machine with `.whl` carried:
-#   MEGAHYBRID_COMMIT=<hash> bash tools/gpu_check.sh [kernels|stack|bench|all]
-# kernels: tests/kernels (about 4 minutes); stack: the other gpu tests, which train, export and decode models in
-# subprocesses (about 5 minutes); all: both then bench, more than one call's 10 minutes. The tests run in 14
-# processes (pytest-xdist, in the device image): one after the other they take far longer than a call. Logs go
-# to $OUT.
+#   MEGAHYBRID_COMMIT=<hash> bash tools/gpu_check.sh [pending|kernels|stack|bench|all]
+# pending: the GPU tests of what changed since the last H200 run; kernels: tests/kernels (about 4 minutes); stack:
+# the other gpu tests, which train, export and decode models in subprocesses (about 5 minutes); all: both then
+# bench, more than one call's 10 minutes. The tests run in 14 processes (pytest-xdist, in the device image): one
+# after the other they take far longer than a call. Logs go to $OUT.
 . tools/gpu_env.sh || exit 1
 mode=${1:-kernels}
 set -o pipefail
@@ -15,10 +15,16 @@ export PYTHONFAULTHANDLER=1
 run_tests() {  # NAME PATHS...: stops at 290 s with a summary (SIGINT), the log in $OUT/gpu-tests-NAME.log
   local name=$1
   shift
-  timeout -s INT -k 20 290 python3 -m pytest -n 14 -v -m gpu -p no:cacheprovider --timeout 260 --tb=short -rfE \
+  timeout -s INT -k 20 290 python3 -m pytest -n 14 -v -m "${MARK-gpu}" -p no:cacheprovider --timeout 260 --tb=short -rfE \
     "$@" 2>&1 | tee "${OUT:-/tmp}/gpu-tests-$name.log" | grep -E "^(FAILED|ERROR)|Timeout|passed|failed"
 }
 
+if [ "$mode" = pending ]; then  # what changed since its last H200 run (test_s4d: unmarked, on the GPU when present)
+  MARK="" run_tests pending tests/kernels/test_s4d.py tests/kernels/test_interdomain_torch.py \
+    tests/kernels/test_nats_gdn.py::test_gpu_shorter_than_a_chunk tests/kernels/test_nats_attention.py \
+    tests/test_convert.py::test_exported_model_on_gpu_matches_training_model tests/test_train_gpu.py \
+    tests/test_eval.py -k "gpu or s4d"
+fi
 if [ "$mode" = kernels ] || [ "$mode" = all ]; then
   run_tests kernels tests/kernels
 fi

@@ -169,19 +169,38 @@ def test_decode_steps_equal_op(prompt):
     B, T, H, D, C = 2, 150, 2, 16, 32
     q, k, v, keep, _ = make_inputs(B, T, H, D, C=C, seed=7, device="cpu")
     expected = naive_chunk_selected_attention(q, k, v, keep, chunk_size=C)
-    cache = selected_attention_prefill(k[:, :prompt], v[:, :prompt], keep[..., : math.ceil(prompt / C)], C)
-    outs = []
-    for t in range(prompt, T):
-        outs.append(selected_attention_step(q[:, t], k[:, t], v[:, t], cache))
-        if cache.chunk_full():
-            cache.commit(keep[:, :, t // C])
-    if outs:
-        assert_close(torch.stack(outs, 1), expected[:, prompt:], TOL_FP32, "o (decode)")
+    if prompt < T:
+        o, cache = decode_outputs(q, k, v, keep, prompt, C)
+        assert_close(o, expected[:, prompt:], TOL_FP32, "o (decode)")
+    else:
+        cache = selected_attention_prefill(k, v, keep, C)
     assert torch.equal(cache.n_kept, C * keep[..., : T // C].sum(-1).long())
     for b, h in ((0, 0), (1, 1)):  # the cache holds exactly the kept chunks, in order
         chunks = [c for c in range(T // C) if keep[b, h, c] == 1]
         rows = torch.cat([k[b, c * C:(c + 1) * C, h] for c in chunks]) if chunks else k.new_zeros(0, D)
         assert torch.equal(cache.kept(b, h)[0], rows)
+
+
+def decode_outputs(q, k, v, keep, prompt, C):
+    """Outputs of the tokens after `prompt` decoded step by step (committing each full chunk)."""
+    cache = selected_attention_prefill(k[:, :prompt], v[:, :prompt], keep[..., : math.ceil(prompt / C)], C)
+    outs = []
+    for t in range(prompt, q.shape[1]):
+        outs.append(selected_attention_step(q[:, t], k[:, t], v[:, t], cache))
+        if cache.chunk_full():
+            cache.commit(keep[:, :, t // C])
+    return torch.stack(outs, 1), cache
+
+
+@pytest.mark.gpu
+@requires_gpu
+def test_gpu_decode_steps_bf16():
+    """The decode step's masked SDPA over the bf16 cache on the GPU, against the fp32 definition."""
+    q, k, v, keep, _ = make_inputs(2, 300, 4, 64, C=64, dtype=torch.bfloat16, device="cuda", seed=3, Dv=128)
+    expected = naive_chunk_selected_attention(q.float(), k.float(), v.float(), keep, chunk_size=64)
+    o, _ = decode_outputs(q, k, v, keep, 70, 64)
+    assert o.dtype == torch.bfloat16
+    assert_close(o.float(), expected[:, 70:], TOL_BF16, "o (decode, bf16)")
 
 
 def test_decode_cache_holds_only_kept_chunks():
