@@ -327,23 +327,19 @@ class NatsLayer(MegatronModule):
 
     def _step(self, parts, cache: NatsDecodeCache):
         q, k, v, gate, g, beta, score, cache.conv_tail = self._inputs(parts, cache.conv_tail)
-        cache.n_open += 1
-        keep_attn = keep_gdn = None
-        if self.select:
-            cache.score_sum = cache.score_sum + score[:, 0]
-        if cache.n_open == CHUNK:  # the open chunk is complete: decide its type, commit it to one memory
-            if self.select:
-                keep_attn, keep_gdn = (x[..., 0] for x in self._choose((cache.score_sum / CHUNK)[:, None]))
-                cache.score_sum = torch.zeros_like(cache.score_sum)
-            else:
-                keep_gdn = q.new_ones(q.shape[0], self.H, dtype=torch.float32)
-            cache.n_open = 0
-        rollback = cache.rollback if self.select else cache.state
-        o_gdn, cache.state, rollback = chunk_selected_gdn_step(
-            q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], cache.state, rollback, keep=keep_gdn, use_qk_l2norm=True)
-        cache.rollback = rollback if self.select else None
-        if not self.select:
+        cache.n_open = (cache.n_open + 1) % CHUNK
+        if not self.select:  # `G` commits every chunk to its state: the running state is all it keeps
+            o_gdn, cache.state, _ = chunk_selected_gdn_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], cache.state,
+                                                            cache.state, decay_dropped=False, use_qk_l2norm=True)
             return self._merge(q, o_gdn[:, None], None, gate)
+        keep_attn = keep_gdn = None
+        cache.score_sum = cache.score_sum + score[:, 0]
+        if cache.n_open == 0:  # the open chunk is complete: decide its type, commit it to one memory
+            keep_attn, keep_gdn = (x[..., 0] for x in self._choose((cache.score_sum / CHUNK)[:, None]))
+            cache.score_sum = torch.zeros_like(cache.score_sum)
+        o_gdn, cache.state, cache.rollback = chunk_selected_gdn_step(
+            q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], cache.state, cache.rollback, keep=keep_gdn,
+            use_qk_l2norm=True)
         qa, ka, va = (x[:, 0] for x in self._attention_view(q, k, v))
         o_attn = selected_attention_step(qa, ka, va, cache.attention, self.dqk ** -0.5)
         if keep_attn is not None:
