@@ -80,20 +80,16 @@ def selected_attention_prefill(k: torch.Tensor, v: torch.Tensor, keep: torch.Ten
         raise ValueError(f"keep must be [B, H, ceil(T/chunk_size)] = {(B, H, NC)}, got {tuple(keep.shape)}")
     if v.dim() != 4 or v.shape[:3] != k.shape[:3]:
         raise ValueError(f"v must be [B, T, H, Dv] = [{B}, {T}, {H}, Dv], got {tuple(v.shape)}")
-    # every token's row: kept chunks packed in order, then the open chunk; dropped chunks go to a spare last row
+    # every stored token's row: the kept chunks packed in order, then the open chunk; dropped chunks are not stored
     kept = torch.cat([(keep[..., :full] == 1).long(), keep.new_ones(B, H, NC - full, dtype=torch.long)], -1)
     before = torch.cumsum(kept, -1) - kept  # kept chunks before each chunk, [B, H, NC]
     cache = SelectedAttentionCache.empty(B, H, D, C, k.device, k.dtype, Dv=v.shape[-1])
     cache.n_kept, cache.n_cur = kept[..., :full].sum(-1) * C, T - full * C
     cache._reserve(int(cache.n_kept.max()) + C)
-    pos = torch.arange(T, device=k.device)
-    dest = before.repeat_interleave(C, -1)[..., :T] * C + pos % C
-    spare = cache.k.shape[2]
-    dest = torch.where(kept.repeat_interleave(C, -1)[..., :T] == 1, dest, spare)  # [B, H, T]
-    for buf, x in ((cache.k, k), (cache.v, v)):
-        padded = F.pad(buf, (0, 0, 0, 1))
-        padded.scatter_(2, dest[..., None].expand(B, H, T, x.shape[-1]), x.transpose(1, 2).to(buf.dtype))
-        buf.copy_(padded[:, :, :spare])
+    row = before.repeat_interleave(C, -1)[..., :T] * C + torch.arange(T, device=k.device) % C  # [B, H, T]
+    b, h, t = kept.repeat_interleave(C, -1)[..., :T].nonzero(as_tuple=True)
+    cache.k[b, h, row[b, h, t]] = k[b, t, h].to(cache.k.dtype)
+    cache.v[b, h, row[b, h, t]] = v[b, t, h].to(cache.v.dtype)
     return cache
 
 
