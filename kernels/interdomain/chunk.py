@@ -51,7 +51,7 @@ def interdomain_bwd(q, k, v, decay, b, u0, g0, do, duf, dgf, chunk_size=64, star
     if p is None:
         readout_bwd_a(q, k, v, do, ub, gb, b, pw, C, a=a, da=da, part=part_a, plan=plan)
     else:
-        araw, dar = torch.empty_like(a, dtype=torch.float32), torch.empty_like(a, dtype=torch.float32)
+        araw, dar = torch.empty_like(a), torch.empty_like(a)  # bf16 runs: dP is a bf16 product (readout_p_grad)
         readout_bwd_a(q, k, v, do, ub, gb, b, pw, C, a=a, da=da, part=part_a, p=p, araw=araw, dar=dar, plan=plan)
         dp = readout_p_grad(araw, dar)
     rub, du0, _ = scan(q, b, pw, decay, C, c=da, x0=duf, rev=True, plan=plan)
@@ -68,15 +68,20 @@ def interdomain_bwd(q, k, v, decay, b, u0, g0, do, duf, dgf, chunk_size=64, star
 
 
 def readout_p_grad(araw: torch.Tensor, dar: torch.Tensor) -> torch.Tensor:
-    """dP[h, m, n] = sum over tokens of conj(a_m) d(aP)_n, as [H, M, M, 2] (re, im), from araw, dar [B, T, H, 2, M]
-    fp32: one real product of the stacked (re, im) parts per head. (A complex einsum ran cuBLAS's complex kernel
-    at 1.4 ms per 125M layer call on the H200, 10% of the step; the real product does four times the multiplies
-    on the fast path.)"""
+    """dP[h, m, n] = sum over tokens of conj(a_m) d(aP)_n, as [H, M, M, 2] (re, im) fp32, from araw, dar
+    [B, T, H, 2, M]: one real product of the stacked (re, im) parts per head, accumulated in fp32.
+
+    bf16 runs store araw, dar in bf16 and take the product on the tensor cores with an fp32 result (the precision
+    of every other weight gradient of a bf16 run). The fp32 product ran cuBLAS's non-tensor-core kernel at 1.2 ms
+    per 125M layer call on the H200, as slow as the complex einsum before it (1.4 ms)."""
     B, T, H, _, M = araw.shape
     a = araw.reshape(B * T, H, 2 * M).transpose(0, 1)  # [H, tokens, 2M]
     d = dar.reshape(B * T, H, 2 * M).transpose(0, 1)
-    g = torch.bmm(a.transpose(1, 2), d)  # [H, 2M, 2M]: blocks (re re, re im; im re, im im)
-    rr, ri, ir, ii = g[:, :M, :M], g[:, :M, M:], g[:, M:, :M], g[:, M:, M:]
+    if a.dtype == torch.bfloat16 and a.is_cuda:
+        g = torch.bmm(a.transpose(1, 2), d, out_dtype=torch.float32)  # [H, 2M, 2M]
+    else:
+        g = torch.bmm(a.transpose(1, 2).float(), d.float())
+    rr, ri, ir, ii = g[:, :M, :M], g[:, :M, M:], g[:, M:, :M], g[:, M:, M:]  # blocks (re re, re im; im re, im im)
     return torch.stack((rr + ii, ri - ir), -1)
 
 

@@ -20,7 +20,7 @@ Names (complex values as (re, im) pairs `*r`, `*i`; j = t - chunk start, the tok
   rub, rgb                         the reverse (adjoint) states of the q and dO scans, same layout
   a, da [B, T, H, 2, M]            a_t[m] = q_t . U_t[m] (times P with a readout) and its gradient d(a)_t, the dO
                                    side's readout of Gamma; gr, gi: da in registers
-  araw, dar [B, T, H, 2, M] fp32   the unmixed a and d(a P) (MIXED), for dP on the host
+  araw, dar [B, T, H, 2, M]        the unmixed a and d(a P) (MIXED), for dP on the host (a's dtype)
   p [H, M, M, 2]                   the readout P = C^T conj(C) (MIXED; ADJOINT: P^H)
   b [H, M, 2] / br, bi             input coefficient per mode
   pw / lam_pow(pw, n, ...)         one head's table lam^n, n = 0..C, [C + 1, 2, M]
@@ -318,10 +318,10 @@ def _bwd_a(q_ptr, k_ptr, v_ptr, do_ptr, ub_ptr, gb_ptr, b_ptr, pw_ptr, a_ptr, da
     out = rows[:, None] * 2 * M + om[None, :]
     mo = ok[:, None] & mm[None, :]
     if MIXED:
-        tl.store(araw_ptr + out, ar, mask=mo)
-        tl.store(araw_ptr + out + M, ai, mask=mo)
-        tl.store(dar_ptr + out, gr, mask=mo)
-        tl.store(dar_ptr + out + M, gi, mask=mo)
+        tl.store(araw_ptr + out, ar.to(araw_ptr.dtype.element_ty), mask=mo)
+        tl.store(araw_ptr + out + M, ai.to(araw_ptr.dtype.element_ty), mask=mo)
+        tl.store(dar_ptr + out, gr.to(dar_ptr.dtype.element_ty), mask=mo)
+        tl.store(dar_ptr + out + M, gi.to(dar_ptr.dtype.element_ty), mask=mo)
         ar, ai = _mix_modes(xr=ar, xi=ai, p_ptr=p_ptr, i_h=i_h, om=om, mm=mm, M=M, PREC=PREC, ADJOINT=False)
         gr, gi = _mix_modes(xr=gr, xi=gi, p_ptr=p_ptr, i_h=i_h, om=om, mm=mm, M=M, PREC=PREC, ADJOINT=True)
     tl.store(a_ptr + out, ar.to(a_ptr.dtype.element_ty), mask=mo)
