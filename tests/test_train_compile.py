@@ -28,7 +28,9 @@ class _Engine:
         self.compiled = True
 
 
-def _compile_tiny(rank, world, pattern):
+def _compile_tiny(rank, world, pattern, kept_eager):
+    import dataclasses
+
     from megahybrid.distributed import init_distributed, shutdown
     from megahybrid.model.config import preset
     from megahybrid.model.gpt import build_model
@@ -36,25 +38,25 @@ def _compile_tiny(rank, world, pattern):
     from megahybrid.parallel import ParallelLayout
     from megahybrid.train.trainer import compile_model
 
+    records = {c: MIXERS[c].gpu_compile for c in pattern}
+    for char in kept_eager:  # a record measured slower compiled (none is today: D was until its FFT contraction)
+        MIXERS[char] = dataclasses.replace(MIXERS[char], gpu_compile=False)
     cfg = preset("tiny", pattern=pattern, num_layers=len(pattern))
     engine = _Engine(build_model(cfg, init_distributed(ParallelLayout()).layout))
     compile_model(engine, cfg)
-    eager = {}
-    for layer, char in zip(engine.module.decoder.layers, pattern):
-        wrapped = getattr(layer.self_attention.forward, "_torchdynamo_disable", False)
-        eager[char] = (wrapped, not MIXERS[char].gpu_compile)
+    wrapped = {char: getattr(layer.self_attention.forward, "_torchdynamo_disable", False)
+               for layer, char in zip(engine.module.decoder.layers, pattern)}
     shutdown()
-    return engine.compiled, eager
+    return engine.compiled, wrapped, records
 
 
 def test_compile_model_keeps_the_recorded_mixers_eager():
     from tests.dist import run_on_ranks
 
-    compiled, eager = run_on_ranks(_compile_tiny, 1, "SIDNG")[0]
+    compiled, wrapped, records = run_on_ranks(_compile_tiny, 1, "SIDNG", "DN")[0]
     assert compiled
-    assert set(eager) == set("SIDNG")
-    assert all(wrapped == recorded for wrapped, recorded in eager.values()), eager
-    assert not eager["S"][0] and not eager["I"][0] and eager["D"][0]
+    assert all(records.values()), records  # every mixer measured faster compiled on the H200
+    assert wrapped == {"S": False, "I": False, "D": True, "N": True, "G": False}
 
 
 def _misaligned_params(rank, world, stage, run_dir):

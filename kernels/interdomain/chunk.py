@@ -110,8 +110,7 @@ def _opt(t):
 
 
 # A compiled model calls the op opaquely (as flash-linear-attention's ops): dynamo would otherwise trace the
-# host-side checks and hand our Triton launches to inductor. (The GPU compile fault of the I/D/N/G layers is in
-# inductor's own kernels and stays with this; see mixers.gpu_compile_blockers.)
+# host-side checks and hand our Triton launches to inductor.
 @torch.compiler.disable
 def interdomain_attention(q, k, v, decay, b, initial_state=None, output_final_state=False, normalize=False,
                           chunk_size=64, readout=None, plan: InterdomainPlan | None = None):
