@@ -85,6 +85,27 @@ def apply_cpu_redirections() -> None:
     _CPU_REDIRECTED = True
 
 
+def _silence_row_linear_group_warning() -> None:
+    """megatron-core 0.16.1's RowParallelLinear.forward hands its linear function tp_group=None, which looks the
+    default group up and warns on rank 0 at every call. Under torch.compile that warning is a graph break: rank 0's
+    model split into three graphs per layer (the other ranks' not), measured with torch._dynamo.explain. The same
+    lookup without the warning, for the tensor_parallel.layers module only."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import layers
+
+    original = layers.get_tensor_model_parallel_group_if_none
+    if getattr(original, "_megahybrid", False):
+        return
+
+    def tp_group_if_none(tp_group, is_expert=False, check_initialized=True):
+        if tp_group is None and not is_expert and dist.is_initialized() and ps.is_initialized():
+            return ps.get_tensor_model_parallel_group(check_initialized=check_initialized)
+        return original(tp_group, is_expert, check_initialized)
+
+    tp_group_if_none._megahybrid = True
+    layers.get_tensor_model_parallel_group_if_none = tp_group_if_none
+
+
 def device() -> torch.device:
     if torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
@@ -159,6 +180,7 @@ def init_distributed(layout: ParallelLayout, seed: int = 1234, timeout_s: int = 
         from megatron.core.tensor_parallel import random as mp_random
 
         mp_random._CUDA_RNG_STATE_TRACKER.reset()
+    _silence_row_linear_group_warning()
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
     torch.manual_seed(seed)
     return _current_groups(layout)
