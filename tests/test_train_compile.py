@@ -82,3 +82,32 @@ def test_flattened_parameters_stay_16_byte_aligned(stage, tmp_path, monkeypatch)
 
     misaligned = run_on_ranks(_misaligned_params, 1, stage, str(tmp_path), env={"TRITON_INTERPRET": "0"})[0]
     assert misaligned == [], misaligned
+
+
+def _graph_breaks_in_layers(rank, world, pattern):
+    import torch
+
+    from megahybrid.distributed import init_distributed, shutdown
+    from megahybrid.model.config import preset
+    from megahybrid.model.gpt import build_model
+    from megahybrid.parallel import ParallelLayout
+
+    cfg = preset("tiny", pattern=pattern, num_layers=len(pattern))
+    model = build_model(cfg, init_distributed(ParallelLayout()).layout)
+    tokens = torch.randint(0, cfg.vocab_size, (2, 64))
+    positions = torch.arange(64)[None].expand(2, -1)
+    explained = torch._dynamo.explain(lambda t: model(t, positions, None, labels=t).float().mean())(tokens)
+    shutdown()
+    return [(b.reason.splitlines()[0], [f"{f.filename.rsplit('/', 1)[-1]}:{f.name}" for f in b.user_stack])
+            for b in explained.break_reasons]
+
+
+def test_compiled_layers_have_no_graph_breaks():
+    """Every decoder layer, each mixer, traces as one graph on rank 0 (issue #15): megatron-core 0.16.1's
+    RowParallelLinear warned at every call there (a break), and the Interdomain op broke the graph once per frame
+    before it became a custom op. TRITON_INTERPRET=1: the kernel path, as on a GPU."""
+    from tests.dist import run_on_ranks
+
+    breaks = run_on_ranks(_graph_breaks_in_layers, 1, "SIDNG", env={"TRITON_INTERPRET": "1"})[0]
+    in_layers = [(reason, stack) for reason, stack in breaks if any("transformer_layer" in f for f in stack)]
+    assert in_layers == [], in_layers

@@ -8,8 +8,9 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _CHECKED_DECAY: dict = {}
 
 
-def check_inputs(q, k, v, decay, b, initial_state, normalize, chunk_size, readout=None):
-    """One-line ValueErrors naming the fix for every malformed input."""
+def check_inputs(q, k, v, decay, b, initial_state, normalize, chunk_size, readout=None, values=True):
+    """One-line ValueErrors naming the fix for every malformed input. values=False leaves out the check of decay's
+    values (check_decay), which reads the tensor: the compiled path runs it inside the op."""
     if q.dim() != 4 or k.shape != q.shape:
         raise ValueError(f"q and k must both be [B, T, H, K]; got {tuple(q.shape)} and {tuple(k.shape)}")
     B, T, H, K = q.shape
@@ -36,12 +37,13 @@ def check_inputs(q, k, v, decay, b, initial_state, normalize, chunk_size, readou
                          "with .to()")
     if chunk_size not in (16, 32, 64, 128):
         raise ValueError(f"chunk_size must be 16, 32, 64 or 128; got {chunk_size}")
-    _check_decay(decay)
+    if values:
+        check_decay(decay)
     if initial_state is not None:
         _check_state(initial_state, B, H, M, K, v.shape[-1], normalize)
 
 
-def _check_decay(decay):
+def check_decay(decay):
     """log|lambda| <= 0 on every call. A CPU tensor is read each time (no sync to save; writes through `decay.data`
     bump no version counter, so no cache can see them). On the GPU reading syncs, so a tensor already checked (the
     same live object, same version counter) is not read on the host again: instead its max goes to pinned host

@@ -1,17 +1,18 @@
 """Chunkwise Interdomain Attention (README.md, "Chunkwise algorithm"): the host side of the Triton op.
 
 `interdomain_fwd` / `interdomain_bwd` run the state scans (scan.py) and the readout kernels (readout.py) for one
-call; `InterdomainFunction` ties them into autograd; `interdomain_attention` is the public op, which sends CPU
+call; the custom ops `megahybrid::interdomain_fwd` / `_bwd` tie them into autograd and torch.compile;
+`interdomain_attention` is the public op, which sends CPU
 tensors (and the cases `uses_torch_path` names) to the chunked torch path in torch_chunk.py. Every launch takes
 its tuning knobs from one `InterdomainPlan` (utils.py), so a benchmark sweeps plans without touching module state.
 """
 import torch
 import triton
 
-from .checks import check_inputs
+from .checks import check_decay, check_inputs
 from .naive import EPS, sign_nonzero
 from .readout import readout_bwd_a, readout_fwd, readout_grad
-from .scan import powers, scan
+from .scan import powers, scan, scan_layout
 from .torch_chunk import interdomain_torch
 from .utils import DEFAULT_PLAN, InterdomainPlan, readout_p, uses_torch_path
 
@@ -85,33 +86,101 @@ def readout_p_grad(araw: torch.Tensor, dar: torch.Tensor) -> torch.Tensor:
     return torch.stack((rr + ii, ri - ir), -1)
 
 
-class InterdomainFunction(torch.autograd.Function):
-    """The forward keeps the inputs and, for long sequences, its scans' segment start states; the backward
-    recomputes the chunk-boundary states from them."""
+# The op enters autograd and torch.compile as two custom ops: a compiled model then keeps each Interdomain layer in
+# one graph with the op an opaque node in it. (torch.compiler.disable, used before, broke the graph once per frame
+# on the stack: four extra graphs per layer, whose per-call host cost left the H200 idle 25% of a 125M step.) The
+# plan, not a tensor, travels as an index into PLANS.
+PLANS: list[InterdomainPlan] = [DEFAULT_PLAN]
 
-    @staticmethod
-    def forward(ctx, q, k, v, decay, b, u0, g0, chunk_size, p=None, plan: InterdomainPlan = DEFAULT_PLAN):
-        o, uf, gf, starts = interdomain_fwd(q, k, v, decay, b, u0, g0, chunk_size, p, plan)
-        ctx.save_for_backward(q, k, v, decay, b, u0, g0, p, *starts)
-        ctx.chunk_size = chunk_size
-        ctx.plan = plan
-        return o, uf, gf
 
-    @staticmethod
-    def backward(ctx, do, duf, dgf):
-        q, k, v, decay, b, u0, g0, p, su, sg = ctx.saved_tensors
-        *grads, dp = interdomain_bwd(q, k, v, decay, b, u0, g0, do.contiguous(), _opt(duf), _opt(dgf),
-                                     ctx.chunk_size, (su, sg), p, ctx.plan)
-        return (*grads, None, dp, None)
+@torch.compiler.assume_constant_result  # dynamo runs it while tracing, and the index is a constant of the graph
+def plan_index(plan: InterdomainPlan) -> int:
+    if plan is DEFAULT_PLAN:
+        return 0
+    if plan not in PLANS:
+        PLANS.append(plan)
+    return PLANS.index(plan)
+
+
+def _none_if_empty(t):
+    return None if t is None or t.numel() == 0 else t
+
+
+@torch.library.custom_op("megahybrid::interdomain_fwd", mutates_args=())
+def interdomain_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, decay: torch.Tensor, b: torch.Tensor,
+                       u0: torch.Tensor | None, g0: torch.Tensor | None, p: torch.Tensor | None, chunk_size: int,
+                       plan_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """interdomain_fwd on contiguous inputs: o, the final U and G, and the scans' segment start states (empty
+    unsegmented), which the backward takes back."""
+    check_decay(decay)
+    o, uf, gf, (su, sg) = interdomain_fwd(q, k, v, decay, b, u0, g0, chunk_size, p, PLANS[plan_id])
+    empty = lambda: q.new_empty(0, dtype=torch.float32)  # noqa: E731  (a fresh one each: returns may not alias)
+    return o, uf, gf, empty() if su is None else su, empty() if sg is None else sg
+
+
+def _starts_shape(z, b, chunk_size, plan):
+    B, T, H, D = z.shape
+    M, NC = b.shape[1], triton.cdiv(T, chunk_size)
+    NS = triton.cdiv(NC, scan_layout(B, H, D, M, NC, plan)[0])
+    return (B, H, NS, 2, M, D) if NS > 1 else (0,)
+
+
+@interdomain_fwd_op.register_fake
+def _(q, k, v, decay, b, u0, g0, p, chunk_size, plan_id):
+    B, T, H, K = q.shape
+    M, V, plan = b.shape[1], v.shape[-1], PLANS[plan_id]
+    f32 = dict(dtype=torch.float32)
+    return (torch.empty_like(v), q.new_empty(B, H, 2, M, K, **f32), q.new_empty(B, H, 2, M, V, **f32),
+            q.new_empty(_starts_shape(k, b, chunk_size, plan), **f32),
+            q.new_empty(_starts_shape(v, b, chunk_size, plan), **f32))
+
+
+@torch.library.custom_op("megahybrid::interdomain_bwd", mutates_args=())
+def interdomain_bwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, decay: torch.Tensor, b: torch.Tensor,
+                       u0: torch.Tensor | None, g0: torch.Tensor | None, p: torch.Tensor | None, su: torch.Tensor,
+                       sg: torch.Tensor, do: torch.Tensor, duf: torch.Tensor | None, dgf: torch.Tensor | None,
+                       chunk_size: int, plan_id: int) -> list[torch.Tensor]:
+    """interdomain_bwd: dq, dk, dv, ddecay, db, du0, dg0, dp (the last three empty where their input was None)."""
+    grads = interdomain_bwd(q, k, v, decay, b, u0, g0, do, duf, dgf, chunk_size,
+                            (_none_if_empty(su), _none_if_empty(sg)), p, PLANS[plan_id])
+    return [q.new_empty(0, dtype=torch.float32) if g is None else g for g in grads]
+
+
+@interdomain_bwd_op.register_fake
+def _(q, k, v, decay, b, u0, g0, p, su, sg, do, duf, dgf, chunk_size, plan_id):
+    like = lambda t: q.new_empty(0, dtype=torch.float32) if t is None else torch.empty_like(t)  # noqa: E731
+    return [torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(decay),
+            torch.empty_like(b), like(u0), like(g0), like(p)]
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, decay, b, u0, g0, p, chunk_size, plan_id = inputs
+    ctx.save_for_backward(q, k, v, decay, b, u0, g0, p, output[3], output[4])
+    ctx.chunk_size, ctx.plan_id = chunk_size, plan_id
+
+
+def _backward(ctx, do, duf, dgf, _dsu, _dsg):
+    q, k, v, decay, b, u0, g0, p, su, sg = ctx.saved_tensors
+    dq, dk, dv, ddecay, db, du0, dg0, dp = interdomain_bwd_op(
+        q, k, v, decay, b, u0, g0, p, su, sg, do.contiguous(), _opt(duf), _opt(dgf), ctx.chunk_size, ctx.plan_id)
+    return (dq, dk, dv, ddecay, db, du0 if u0 is not None else None, dg0 if g0 is not None else None,
+            dp if p is not None else None, None, None)
+
+
+interdomain_fwd_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def _opt(t):
     return None if t is None else t.contiguous().float()
 
 
-# A compiled model calls the op opaquely (as flash-linear-attention's ops): dynamo would otherwise trace the
-# host-side checks and hand our Triton launches to inductor.
 @torch.compiler.disable
+def _torch_path(q, k, v, decay, b, u0, g0, chunk_size, readout):
+    """The chunked torch path, eager inside a compiled model (complex tensors; inductor would gain nothing)."""
+    check_decay(decay)
+    return interdomain_torch(q, k, v, decay, b, u0, g0, chunk_size, readout)
+
+
 def interdomain_attention(q, k, v, decay, b, initial_state=None, output_final_state=False, normalize=False,
                           chunk_size=64, readout=None, plan: InterdomainPlan | None = None):
     """Interdomain Attention (see kernels/interdomain/README.md for the definition).
@@ -132,7 +201,7 @@ def interdomain_attention(q, k, v, decay, b, initial_state=None, output_final_st
     the interpreter, as their tests do).
     """
     plan = plan or DEFAULT_PLAN
-    check_inputs(q, k, v, decay, b, initial_state, normalize, chunk_size, readout)
+    check_inputs(q, k, v, decay, b, initial_state, normalize, chunk_size, readout, values=False)  # values: in the op
     B, T, H, _ = q.shape
     V = v.shape[-1]
     if normalize:
@@ -145,10 +214,10 @@ def interdomain_attention(q, k, v, decay, b, initial_state=None, output_final_st
         u0 = initial_state[0].transpose(2, 3).contiguous()
         g0 = initial_state[1].transpose(2, 3).contiguous()
     if uses_torch_path(q, readout, normalize, plan):
-        o, uf, gf = interdomain_torch(q, k, v, decay, b, u0, g0, chunk_size, readout)
+        o, uf, gf = _torch_path(q, k, v, decay, b, u0, g0, chunk_size, readout)
     else:
-        o, uf, gf = InterdomainFunction.apply(q.contiguous(), k.contiguous(), v.contiguous(), decay.contiguous(),
-                                              b.contiguous(), u0, g0, chunk_size, readout_p(readout), plan)
+        o, uf, gf, _, _ = interdomain_fwd_op(q.contiguous(), k.contiguous(), v.contiguous(), decay.contiguous(),
+                                             b.contiguous(), u0, g0, readout_p(readout), chunk_size, plan_index(plan))
     state = (uf.transpose(2, 3).contiguous(), gf.transpose(2, 3).contiguous()) if output_final_state else None
     if normalize:
         den = o[..., V:].float()

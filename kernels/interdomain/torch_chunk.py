@@ -12,7 +12,7 @@ __all__ = ["interdomain_torch", "interdomain_readout"]
 
 
 def interdomain_torch(q, k, v, decay, b, u0=None, g0=None, chunk_size=64, readout=None):
-    """The op on checked inputs, in InterdomainFunction's layout: q, k [B, T, H, K], v [B, T, H, V]; u0, g0
+    """The op on checked inputs, in the Triton op's layout (chunk.py): q, k [B, T, H, K], v [B, T, H, V]; u0, g0
     [B, H, 2, M, K / V] fp32 or None; readout [H, M, M, 2] or None. Returns o [B, T, H, V] in v's dtype and the
     final U, G [B, H, 2, M, K / V] fp32."""
     T = q.shape[1]

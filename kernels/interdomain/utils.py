@@ -99,11 +99,15 @@ def uses_torch_path(q, readout=None, normalize=False, plan: InterdomainPlan = DE
 
 
 def readout_p(readout):
-    """P = C^T conj(C) [H, M, M, 2] (re, im) for the kernels, differentiable in C; None stays None."""
+    """P = C^T conj(C) [H, M, M, 2] (re, im) for the kernels, differentiable in C; None stays None. In real parts
+    (Re P = Cr^T Cr + Ci^T Ci, Im P = Ci^T Cr - Cr^T Ci): a compiled model traces it, and inductor has no complex
+    kernels."""
     if readout is None:
         return None
-    c = torch.complex(readout[..., 0], readout[..., 1])
-    return torch.view_as_real(torch.einsum("hmn,hmk->hnk", c, c.conj())).contiguous()
+    cr, ci = readout[..., 0], readout[..., 1]
+    real = torch.bmm(cr.transpose(1, 2), cr) + torch.bmm(ci.transpose(1, 2), ci)
+    imag = torch.bmm(ci.transpose(1, 2), cr) - torch.bmm(cr.transpose(1, 2), ci)
+    return torch.stack((real, imag), -1)
 
 
 @triton.jit

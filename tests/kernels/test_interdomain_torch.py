@@ -18,13 +18,13 @@ NAMES = ["q", "k", "v", "decay", "b", "readout", "U0", "G0", "eta0"]
 @pytest.fixture
 def torch_path(monkeypatch):
     """CPU tensors take the torch path as they do outside the tests (conftest sets TRITON_INTERPRET=1); the
-    Triton autograd function must not run."""
+    Triton op must not run."""
     monkeypatch.setenv("TRITON_INTERPRET", "0")
 
     def refuse(*args):
         raise AssertionError("the Triton chunk op ran on the torch path")
 
-    monkeypatch.setattr(interdomain.InterdomainFunction, "apply", refuse)
+    monkeypatch.setattr(interdomain.chunk, "interdomain_fwd", refuse)
 
 
 def make_readout(H, M, normalize=False, seed=5, device="cpu"):

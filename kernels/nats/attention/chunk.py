@@ -439,21 +439,50 @@ def chunk_selected_attention_bwd(
     return dq, dk, dv, dkeep
 
 
-class ChunkSelectedAttentionFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, keep, scale, chunk_size, grad_unselected):
-        o, lse = chunk_selected_attention_fwd(q, k, v, keep, scale, chunk_size)
-        ctx.save_for_backward(q, k, v, o, lse, keep)
-        ctx.scale, ctx.chunk_size, ctx.grad_unselected = scale, chunk_size, grad_unselected
-        return o
+# The op enters autograd and torch.compile as two custom ops, so a compiled model keeps each NAtS layer in one
+# graph with the op an opaque node in it (torch.compiler.disable broke the graph once per frame on the stack).
+@torch.library.custom_op("megahybrid::selected_attention_fwd", mutates_args=())
+def selected_attention_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor, scale: float,
+                              chunk_size: int, grad_unselected: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """o and the log-sum-exp per query row, on contiguous q, k, v (grad_unselected: for the backward)."""
+    check_keep_values(keep, "chunk_selected_attention")
+    return chunk_selected_attention_fwd(q, k, v, keep, scale, chunk_size)
 
-    @staticmethod
-    def backward(ctx, do):
-        q, k, v, o, lse, keep = ctx.saved_tensors
-        dq, dk, dv, dkeep = chunk_selected_attention_bwd(
-            q, k, v, o, lse, do.contiguous(), keep, ctx.scale, ctx.chunk_size, ctx.grad_unselected
-        )
-        return dq, dk, dv, dkeep.to(keep.dtype), None, None, None
+
+@selected_attention_fwd_op.register_fake
+def _(q, k, v, keep, scale, chunk_size, grad_unselected):
+    B, T, H, _ = q.shape
+    return q.new_empty(B, T, H, v.shape[-1]), q.new_empty(B, H, T, dtype=torch.float32)
+
+
+@torch.library.custom_op("megahybrid::selected_attention_bwd", mutates_args=())
+def selected_attention_bwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
+                              do: torch.Tensor, keep: torch.Tensor, scale: float, chunk_size: int,
+                              grad_unselected: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dq, dk, dv and d(keep) in keep's dtype."""
+    dq, dk, dv, dkeep = chunk_selected_attention_bwd(q, k, v, o, lse, do, keep, scale, chunk_size, grad_unselected)
+    return dq, dk, dv, dkeep.to(keep.dtype)
+
+
+@selected_attention_bwd_op.register_fake
+def _(q, k, v, o, lse, do, keep, scale, chunk_size, grad_unselected):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(keep)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, keep, scale, chunk_size, grad_unselected = inputs
+    ctx.save_for_backward(q, k, v, output[0], output[1], keep)
+    ctx.scale, ctx.chunk_size, ctx.grad_unselected = scale, chunk_size, grad_unselected
+
+
+def _backward(ctx, do, _dlse):
+    q, k, v, o, lse, keep = ctx.saved_tensors
+    grads = selected_attention_bwd_op(q, k, v, o, lse, do.contiguous(), keep, ctx.scale, ctx.chunk_size,
+                                      ctx.grad_unselected)
+    return *grads, None, None, None
+
+
+selected_attention_fwd_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def _check_inputs(q, k, v, keep, chunk_size):
@@ -476,12 +505,15 @@ def _check_inputs(q, k, v, keep, chunk_size):
         raise ValueError(f"q, k, v must share one float dtype (fp32, bf16, fp16), got {q.dtype}, {k.dtype}, {v.dtype}")
     if max(D, v.shape[-1]) > 256:
         raise ValueError(f"head dims must be <= 256, got Dk = {D}, Dv = {v.shape[-1]}")
-    check_keep_values(keep, "chunk_selected_attention")
 
 
-# A compiled model calls the op opaquely (as flash-linear-attention's ops): dynamo would otherwise trace the
-# host-side value checks (host syncs) and hand our Triton launches to inductor.
 @torch.compiler.disable
+def _torch_path(q, k, v, keep, scale, chunk_size, grad_unselected):
+    """The torch path, eager inside a compiled model as before (CPU only)."""
+    check_keep_values(keep, "chunk_selected_attention")
+    return torch_chunk_selected_attention(q, k, v, keep, scale, chunk_size, grad_unselected)
+
+
 def chunk_selected_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -505,9 +537,9 @@ def chunk_selected_attention(
     Returns:
         o: [B, T, H, Dv] in the dtype of q. CPU tensors run `torch_chunk.py` unless TRITON_INTERPRET=1.
     """
-    _check_inputs(q, k, v, keep, chunk_size)
+    _check_inputs(q, k, v, keep, chunk_size)  # shapes here; keep's values inside the op (reading them syncs)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     if use_torch_path(q):
-        return torch_chunk_selected_attention(q, k, v, keep, scale, chunk_size, grad_unselected)
+        return _torch_path(q, k, v, keep, scale, chunk_size, grad_unselected)
     q, k, v = (x.contiguous() for x in (q, k, v))
-    return ChunkSelectedAttentionFunction.apply(q, k, v, keep, scale, chunk_size, grad_unselected)
+    return selected_attention_fwd_op(q, k, v, keep, scale, chunk_size, grad_unselected)[0]

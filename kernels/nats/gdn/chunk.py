@@ -630,27 +630,66 @@ def chunk_selected_gdn_bwd(q, k, v, beta, keep, G, Ai, scale, initial_state, do,
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
 
-class ChunkSelectedGDNFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, g, beta, keep, scale, initial_state, output_final_state, decay_dropped,
-                dkeep_dropped):
-        with _refuse_unbuildable(q, v):
-            o, ht, G, Ai = chunk_selected_gdn_fwd(q, k, v, g, beta, keep, scale, initial_state, output_final_state,
-                                                  decay_dropped)
-        ctx.save_for_backward(q, k, v, beta, keep, G, Ai, initial_state)
-        ctx.scale, ctx.decay_dropped, ctx.dkeep_dropped = scale, decay_dropped, dkeep_dropped
-        ctx.g_dtype = g.dtype
-        return o, ht
+# The op enters autograd and torch.compile as two custom ops, so a compiled model keeps each NAtS layer in one
+# graph with the op an opaque node in it (torch.compiler.disable broke the graph once per frame on the stack).
+# Tensors a case has not (h0, the final state and its gradient) travel as empty tensors.
+@torch.library.custom_op("megahybrid::selected_gdn_fwd", mutates_args=())
+def selected_gdn_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                        keep: torch.Tensor, scale: float, h0: torch.Tensor | None, output_final_state: bool,
+                        decay_dropped: bool, dkeep_dropped: bool
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """o, the final state (empty unless asked) and the backward's G, Ai (dkeep_dropped: for the backward)."""
+    check_keep_values(keep, "chunk_selected_gdn")
+    check_log_decay(g, "chunk_selected_gdn")
+    with _refuse_unbuildable(q, v):
+        o, ht, G, Ai = chunk_selected_gdn_fwd(q, k, v, g, beta, keep, scale, h0, output_final_state, decay_dropped)
+    return o, q.new_empty(0, dtype=torch.float32) if ht is None else ht, G, Ai
 
-    @staticmethod
-    def backward(ctx, do, dht):
-        q, k, v, beta, keep, G, Ai, initial_state = ctx.saved_tensors
-        with _refuse_unbuildable(q, v):
-            dq, dk, dv, dg, dbeta, dkeep, dh0 = chunk_selected_gdn_bwd(
-                q, k, v, beta, keep, G, Ai, ctx.scale, initial_state, do, dht, ctx.decay_dropped, ctx.dkeep_dropped)
-        if dh0 is not None:
-            dh0 = dh0.to(initial_state.dtype)
-        return dq, dk, dv, dg.to(ctx.g_dtype), dbeta, dkeep, None, dh0, None, None, None
+
+@selected_gdn_fwd_op.register_fake
+def _(q, k, v, g, beta, keep, scale, h0, output_final_state, decay_dropped, dkeep_dropped):
+    B, T, H, K = q.shape
+    f32 = dict(dtype=torch.float32)
+    ht = q.new_empty(B, H, K, v.shape[-1], **f32) if output_final_state else q.new_empty(0, **f32)
+    return torch.empty_like(v), ht, q.new_empty(B, T, H, **f32), q.new_empty(B, T, H, BT, **f32)
+
+
+@torch.library.custom_op("megahybrid::selected_gdn_bwd", mutates_args=())
+def selected_gdn_bwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, keep: torch.Tensor,
+                        G: torch.Tensor, Ai: torch.Tensor, scale: float, h0: torch.Tensor | None, do: torch.Tensor,
+                        dht: torch.Tensor | None, decay_dropped: bool, dkeep_dropped: bool) -> list[torch.Tensor]:
+    """dq, dk, dv, dg (fp32), dbeta, dkeep, dh0 (empty without h0)."""
+    with _refuse_unbuildable(q, v):
+        grads = chunk_selected_gdn_bwd(q, k, v, beta, keep, G, Ai, scale, h0, do, dht, decay_dropped, dkeep_dropped)
+    dh0 = grads[-1]
+    return [*grads[:-1], q.new_empty(0, dtype=torch.float32) if dh0 is None else dh0.to(h0.dtype)]
+
+
+@selected_gdn_bwd_op.register_fake
+def _(q, k, v, beta, keep, G, Ai, scale, h0, do, dht, decay_dropped, dkeep_dropped):
+    B, T, H, _ = q.shape
+    dh0 = torch.empty_like(h0) if h0 is not None else q.new_empty(0, dtype=torch.float32)
+    return [torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), q.new_empty(B, T, H, dtype=torch.float32),
+            torch.empty_like(beta), torch.empty_like(keep), dh0]
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, g, beta, keep, scale, h0, _, decay_dropped, dkeep_dropped = inputs
+    ctx.save_for_backward(q, k, v, beta, keep, output[2], output[3], h0)
+    ctx.scale, ctx.decay_dropped, ctx.dkeep_dropped, ctx.g_dtype = scale, decay_dropped, dkeep_dropped, g.dtype
+
+
+def _backward(ctx, do, dht, _dG, _dAi):
+    q, k, v, beta, keep, G, Ai, h0 = ctx.saved_tensors
+    # contiguous: a gradient arriving from ht.sum() is an expanded (stride 0) tensor, which the kernel read past
+    dht = dht.contiguous() if dht is not None and dht.numel() else None
+    dq, dk, dv, dg, dbeta, dkeep, dh0 = selected_gdn_bwd_op(q, k, v, beta, keep, G, Ai, ctx.scale, h0,
+                                                            do.contiguous(), dht, ctx.decay_dropped,
+                                                            ctx.dkeep_dropped)
+    return dq, dk, dv, dg.to(ctx.g_dtype), dbeta, dkeep, None, dh0 if h0 is not None else None, None, None, None
+
+
+selected_gdn_fwd_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 @contextlib.contextmanager
@@ -663,9 +702,14 @@ def _refuse_unbuildable(q, v):
                          f"({str(e).splitlines()[0]}); use bf16 or smaller heads") from None
 
 
-# A compiled model calls the op opaquely (as flash-linear-attention's ops): dynamo would otherwise trace the
-# host-side value checks (host syncs) and hand our Triton launches to inductor.
 @torch.compiler.disable
+def _torch_path(q, k, v, g, beta, keep, scale, initial_state, decay_dropped, dkeep_dropped):
+    """The torch path (autograd), eager inside a compiled model as before (CPU only)."""
+    check_keep_values(keep, "chunk_selected_gdn")
+    check_log_decay(g, "chunk_selected_gdn")
+    return torch_chunk_selected_gdn(q, k, v, g, beta, keep, scale, initial_state, decay_dropped, dkeep_dropped)
+
+
 def chunk_selected_gdn(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -700,16 +744,17 @@ def chunk_selected_gdn(
         o `[B, T, H, V]` in v's dtype and the final state (or None). CPU tensors run `torch_chunk.py` (autograd)
         unless TRITON_INTERPRET=1 asks for the Triton kernels.
     """
-    _check(q, k, v, g, beta, keep, initial_state, chunk_size)
+    _check(q, k, v, g, beta, keep, initial_state, chunk_size)  # shapes here; g's and keep's values inside the op
     if use_qk_l2norm:
         q, k = _l2norm(q), _l2norm(k)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     if use_torch_path(q):
-        o, ht = torch_chunk_selected_gdn(q, k, v, g, beta, keep, scale, initial_state, decay_dropped, dkeep_dropped)
+        o, ht = _torch_path(q, k, v, g, beta, keep, scale, initial_state, decay_dropped, dkeep_dropped)
         return o, (ht if output_final_state else None)
     args = [x.contiguous() for x in (q, k, v, g, beta, keep)]
     h0 = initial_state.contiguous() if initial_state is not None else None
-    return ChunkSelectedGDNFunction.apply(*args, scale, h0, output_final_state, decay_dropped, dkeep_dropped)
+    o, ht, _, _ = selected_gdn_fwd_op(*args, scale, h0, output_final_state, decay_dropped, dkeep_dropped)
+    return o, (ht if output_final_state else None)
 
 
 def _l2norm(x: torch.Tensor) -> torch.Tensor:
@@ -739,5 +784,3 @@ def _check(q, k, v, g, beta, keep, initial_state, chunk_size):
     if initial_state is not None and initial_state.shape != (B, H, K, v.shape[-1]):
         raise ValueError(f"initial_state must be [B, H, K, V] = {(B, H, K, v.shape[-1])}; got "
                          f"{tuple(initial_state.shape)}")
-    check_keep_values(keep, "chunk_selected_gdn")
-    check_log_decay(g, "chunk_selected_gdn")

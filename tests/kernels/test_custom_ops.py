@@ -1,0 +1,111 @@
+"""The Triton ops as torch custom ops (megahybrid::interdomain_*, selected_attention_*, selected_gdn_*): their
+registration passes torch's own checks (torch.library.opcheck), and a compiled caller keeps each op inside one
+graph (fullgraph=True) with the same outputs and gradients as eager.
+
+On CPU the kernels run in Triton's interpreter (conftest sets TRITON_INTERPRET=1), small fp32 shapes."""
+import pytest
+import torch
+
+from megahybrid_kernels.interdomain import InterdomainPlan, interdomain_attention, interdomain_fwd_op
+from megahybrid_kernels.interdomain.chunk import plan_index, readout_p
+from megahybrid_kernels.nats.attention import chunk as attention_chunk
+from megahybrid_kernels.nats.gdn import chunk as gdn_chunk
+from tests.kernels import test_nats_attention, test_nats_gdn
+from tests.kernels.test_interdomain import make_inputs, run_op
+from tests.kernels.test_interdomain_torch import make_readout
+from tests.utils import rel_rms_error
+
+COMPILED_TOL = 1e-5  # relative RMS: the same kernels; only the torch ops around them are fused by inductor
+# segmented scans from 3 chunks on (the default plan segments only past 128 chunks, too long for the interpreter)
+SEGMENTED = InterdomainPlan(scan_segment=2, scan_segment_above=2)
+
+
+def _op_args(segmented: bool, with_state: bool, with_readout: bool):
+    q, k, v, decay, b, u0, g0 = make_inputs(1, 100, 2, 16, 24, 8)
+    state = (u0.transpose(2, 3).contiguous(), g0.transpose(2, 3).contiguous()) if with_state else (None, None)
+    p = readout_p(make_readout(2, 8)) if with_readout else None
+    plan = SEGMENTED if segmented else InterdomainPlan()
+    args = [t.requires_grad_() if t is not None else None for t in (q, k, v, decay, b, *state, p)]
+    return (*args, 16, plan_index(plan))
+
+
+@pytest.mark.parametrize("segmented,with_state,with_readout", [(False, False, False), (True, True, True)])
+def test_custom_op_registration(segmented, with_state, with_readout):
+    """torch.library.opcheck: schema, fake (meta) shapes against the real outputs, autograd registration and
+    AOT dispatch, static and dynamic shapes."""
+    args = _op_args(segmented, with_state, with_readout)
+    if segmented:
+        assert interdomain_fwd_op(*args)[3].numel() > 0  # the case carries segment start states
+    torch.library.opcheck(interdomain_fwd_op, args)
+
+
+def _layer_like(q, k, v, decay, b, u0, g0, readout=None, normalize=False, plan=None):
+    return interdomain_attention(q, k, v, decay, b, initial_state=(u0, g0), output_final_state=True,
+                                 normalize=normalize, chunk_size=16, readout=readout, plan=plan)
+
+
+@pytest.mark.parametrize("plan", [None, SEGMENTED], ids=["default", "segmented"])
+def test_compiled_caller_keeps_the_op_in_one_graph(plan):
+    """fullgraph=True fails on any graph break; outputs, final state and every gradient equal eager's."""
+    inputs = make_inputs(2, 63, 2, 16, 24, 8)
+    readout = make_readout(2, 8)
+    runs = []
+    for compiled in (False, True):
+        c = readout.clone().requires_grad_()
+
+        def fn(q, k, v, decay, b, initial_state, output_final_state, normalize):
+            return _layer_like(q, k, v, decay, b, *initial_state, readout=c, plan=plan)
+
+        torch._dynamo.reset()
+        o, state, grads = run_op(torch.compile(fn, fullgraph=True) if compiled else fn, inputs, False)
+        runs.append([o, *state, *grads, c.grad])
+    assert len(runs[0]) == 2 + 1 + 7 + 1 and all(t is not None for t in runs[0])
+    for got, want in zip(runs[1], runs[0]):
+        assert rel_rms_error(got, want) < COMPILED_TOL
+
+
+def test_plan_index_is_stable():
+    assert plan_index(InterdomainPlan()) == 0
+    assert plan_index(SEGMENTED) == plan_index(InterdomainPlan(scan_segment=2, scan_segment_above=2)) > 0
+
+
+@pytest.mark.parametrize("grad_unselected", [False, True])
+def test_selected_attention_op_registration(grad_unselected):
+    q, k, v, keep, _ = test_nats_attention.make_inputs(1, 100, 2, 16, C=16, Dv=24, device="cpu")
+    args = (*(t.requires_grad_() for t in (q, k, v, keep)), 0.25, 16, grad_unselected)
+    torch.library.opcheck(attention_chunk.selected_attention_fwd_op, args)
+
+
+@pytest.mark.parametrize("with_state", [False, True])
+def test_selected_gdn_op_registration(with_state):
+    q, k, v, g, beta, keep, h0 = test_nats_gdn.make_inputs(1, 100, 2, 16, 32, device="cpu")
+    args = [t.requires_grad_() for t in (q, k, v, g, beta, keep)]
+    torch.library.opcheck(gdn_chunk.selected_gdn_fwd_op,
+                          (*args, 0.25, h0.requires_grad_() if with_state else None, with_state, True, False))
+
+
+def _compiled_matches_eager(fn, leaves, tol=COMPILED_TOL):
+    runs = []
+    for compiled in (False, True):
+        xs = [x.detach().clone().requires_grad_() for x in leaves]
+        torch._dynamo.reset()
+        outs = (torch.compile(fn, fullgraph=True) if compiled else fn)(*xs)
+        gen = torch.Generator().manual_seed(3)
+        loss = sum((o.float() * torch.randn(o.shape, generator=gen)).sum() for o in outs)
+        loss.backward()
+        runs.append([*outs, *(x.grad for x in xs)])
+    assert all(t is not None for t in runs[0])
+    for got, want in zip(runs[1], runs[0]):
+        assert rel_rms_error(got, want) < tol
+
+
+def test_compiled_caller_keeps_selected_attention_in_one_graph():
+    q, k, v, keep, _ = test_nats_attention.make_inputs(2, 100, 2, 16, C=16, Dv=24, device="cpu")
+    _compiled_matches_eager(lambda q, k, v, keep: (attention_chunk.chunk_selected_attention(
+        q * 2, k, v, keep, chunk_size=16),), [q, k, v, keep])
+
+
+def test_compiled_caller_keeps_selected_gdn_in_one_graph():
+    q, k, v, g, beta, keep, h0 = test_nats_gdn.make_inputs(2, 100, 2, 16, 32, device="cpu")
+    _compiled_matches_eager(lambda q, k, v, g, beta, keep, h0: gdn_chunk.chunk_selected_gdn(
+        q, k, v * 2, g, beta, keep, initial_state=h0, output_final_state=True), [q, k, v, g, beta, keep, h0])
