@@ -19,11 +19,10 @@ run_tests() {  # NAME PATHS...: stops at 290 s with a summary (SIGINT), the log 
     "$@" 2>&1 | tee "${OUT:-/tmp}/gpu-tests-$name.log" | grep -E "^(FAILED|ERROR)|Timeout|passed|failed"
 }
 
-if [ "$mode" = pending ]; then  # what changed since its last H200 run (test_s4d: unmarked, on the GPU when present)
-  MARK="" run_tests pending tests/kernels/test_s4d.py tests/kernels/test_interdomain_torch.py \
-    tests/kernels/test_nats_gdn.py::test_gpu_shorter_than_a_chunk tests/kernels/test_nats_attention.py \
-    tests/test_convert.py::test_exported_model_on_gpu_matches_training_model tests/test_train_gpu.py \
-    tests/test_eval.py -k "gpu or s4d"
+if [ "$mode" = pending ]; then  # what changed since its last H200 run: the ops as custom ops (every compiled path)
+  MARK="" run_tests pending tests/kernels/test_custom_ops.py tests/kernels/test_interdomain_torch.py \
+    tests/kernels/test_nats_attention.py tests/test_train_gpu.py tests/test_eval.py \
+    tests/test_convert.py::test_exported_model_on_gpu_matches_training_model -k "gpu or cuda"
 fi
 if [ "$mode" = kernels ] || [ "$mode" = all ]; then
   run_tests kernels tests/kernels

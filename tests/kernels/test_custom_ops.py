@@ -2,7 +2,8 @@
 registration passes torch's own checks (torch.library.opcheck), and a compiled caller keeps each op inside one
 graph (fullgraph=True) with the same outputs and gradients as eager.
 
-On CPU the kernels run in Triton's interpreter (conftest sets TRITON_INTERPRET=1), small fp32 shapes."""
+On CPU the kernels run in Triton's interpreter (conftest sets TRITON_INTERPRET=1), small fp32 shapes; the compiled
+callers also on the GPU (fp32)."""
 import pytest
 import torch
 
@@ -13,7 +14,9 @@ from megahybrid_kernels.nats.gdn import chunk as gdn_chunk
 from tests.kernels import test_nats_attention, test_nats_gdn
 from tests.kernels.test_interdomain import make_inputs, run_op
 from tests.kernels.test_interdomain_torch import make_readout
-from tests.utils import rel_rms_error
+from tests.utils import rel_rms_error, requires_gpu
+
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, requires_gpu])]
 
 COMPILED_TOL = 1e-5  # relative RMS: the same kernels; only the torch ops around them are fused by inductor
 # segmented scans from 3 chunks on (the default plan segments only past 128 chunks, too long for the interpreter)
@@ -44,11 +47,12 @@ def _layer_like(q, k, v, decay, b, u0, g0, readout=None, normalize=False, plan=N
                                  normalize=normalize, chunk_size=16, readout=readout, plan=plan)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("plan", [None, SEGMENTED], ids=["default", "segmented"])
-def test_compiled_caller_keeps_the_op_in_one_graph(plan):
+def test_compiled_caller_keeps_the_op_in_one_graph(plan, device):
     """fullgraph=True fails on any graph break; outputs, final state and every gradient equal eager's."""
-    inputs = make_inputs(2, 63, 2, 16, 24, 8)
-    readout = make_readout(2, 8)
+    inputs = make_inputs(2, 63, 2, 16, 24, 8, device=device)
+    readout = make_readout(2, 8, device=device)
     runs = []
     for compiled in (False, True):
         c = readout.clone().requires_grad_()
@@ -91,7 +95,7 @@ def _compiled_matches_eager(fn, leaves, tol=COMPILED_TOL):
         torch._dynamo.reset()
         outs = (torch.compile(fn, fullgraph=True) if compiled else fn)(*xs)
         gen = torch.Generator().manual_seed(3)
-        loss = sum((o.float() * torch.randn(o.shape, generator=gen)).sum() for o in outs)
+        loss = sum((o.float() * torch.randn(o.shape, generator=gen).to(o.device)).sum() for o in outs)
         loss.backward()
         runs.append([*outs, *(x.grad for x in xs)])
     assert all(t is not None for t in runs[0])
@@ -99,13 +103,15 @@ def _compiled_matches_eager(fn, leaves, tol=COMPILED_TOL):
         assert rel_rms_error(got, want) < tol
 
 
-def test_compiled_caller_keeps_selected_attention_in_one_graph():
-    q, k, v, keep, _ = test_nats_attention.make_inputs(2, 100, 2, 16, C=16, Dv=24, device="cpu")
+@pytest.mark.parametrize("device", DEVICES)
+def test_compiled_caller_keeps_selected_attention_in_one_graph(device):
+    q, k, v, keep, _ = test_nats_attention.make_inputs(2, 100, 2, 16, C=16, Dv=24, device=device)
     _compiled_matches_eager(lambda q, k, v, keep: (attention_chunk.chunk_selected_attention(
         q * 2, k, v, keep, chunk_size=16),), [q, k, v, keep])
 
 
-def test_compiled_caller_keeps_selected_gdn_in_one_graph():
-    q, k, v, g, beta, keep, h0 = test_nats_gdn.make_inputs(2, 100, 2, 16, 32, device="cpu")
+@pytest.mark.parametrize("device", DEVICES)
+def test_compiled_caller_keeps_selected_gdn_in_one_graph(device):
+    q, k, v, g, beta, keep, h0 = test_nats_gdn.make_inputs(2, 100, 2, 16, 32, device=device)
     _compiled_matches_eager(lambda q, k, v, g, beta, keep, h0: gdn_chunk.chunk_selected_gdn(
         q, k, v * 2, g, beta, keep, initial_state=h0, output_final_state=True), [q, k, v, g, beta, keep, h0])
