@@ -4,7 +4,9 @@ The algorithm is flash-linear-attention's chunked Gated DeltaNet (WY representat
 one change: after chunk c the state is S_{c+1} = a_c S_c + m_c * K~_c^T V'_c (m_c = keep), where
 a_c = e^{G_L} when the chunk is kept or `decay_dropped`, else 1. Every token's output still uses its own chunk's
 pseudo-update. Only chunk-start states are written; the backward recomputes w, u, the states and v' from the
-saved (I + A)^{-1}.
+saved (I + A)^{-1}. This file: the state kernels (chunk-start states forward, their gradients backward), the output
+and gradient kernels, the host functions, the custom ops and the public op; wy.py the per-chunk WY representation;
+tiles.py the shared loads, stores and tile widths.
 
 Transposed operands are always loaded through strided pointers, never made with `tl.trans` of a `tl.dot` result:
 Triton 3.4-3.6 on Hopper miscompiles that pattern (flash-linear-attention issue 640).
@@ -19,191 +21,9 @@ from triton.runtime.errors import OutOfResources
 
 from megahybrid_kernels._triton import interpreting, next_pow2, use_torch_path
 from megahybrid_kernels.nats.checks import check_keep_values, check_log_decay
+from megahybrid_kernels.nats.gdn.tiles import BT, _chunk_bk, _chunk_scalars, _ld, _ld_t, _ld_vec, _loop_bv, _st, _tuned
 from megahybrid_kernels.nats.gdn.torch_chunk import torch_chunk_selected_gdn
-
-BT = 64
-
-
-def _tuned(key, configs):
-    """Autotune (num_warps, num_stages) on a GPU; the interpreter runs the kernel untuned (it ignores both).
-
-    Configs that exceed shared memory (fp32 inputs at high num_stages) are dropped by the autotuner.
-    """
-    def wrap(fn):
-        if interpreting():
-            return fn
-        return triton.autotune([triton.Config({}, num_warps=w, num_stages=s) for w, s in configs], key=key)(fn)
-    return wrap
-
-
-@triton.jit
-def _ld(ptr, r, c, nr, nc, stride):
-    """Tile x[i, j] = ptr[r[i] * stride + c[j]], zero where r >= nr or c >= nc."""
-    return tl.load(ptr + r[:, None] * stride + c[None, :], mask=(r < nr)[:, None] & (c < nc)[None, :], other=0.0)
-
-
-@triton.jit
-def _ld_t(ptr, r, c, nr, nc, stride):
-    """Transposed tile x[j, i] = ptr[r[i] * stride + c[j]] (a strided load instead of tl.trans)."""
-    return tl.load(ptr + r[None, :] * stride + c[:, None], mask=(r < nr)[None, :] & (c < nc)[:, None], other=0.0)
-
-
-@triton.jit
-def _st(ptr, r, c, nr, nc, stride, x):
-    tl.store(ptr + r[:, None] * stride + c[None, :], x.to(ptr.dtype.element_ty),
-             mask=(r < nr)[:, None] & (c < nc)[None, :])
-
-
-@triton.jit
-def _ld_vec(ptr, r, nr, stride):
-    return tl.load(ptr + r * stride, mask=r < nr, other=0.0).to(tl.float32)
-
-
-@triton.jit
-def _chunk_scalars(G, keep, t0, T, i_keep, stride_g, DECAY_DROPPED: tl.constexpr):
-    """(m, G_L, a) of one chunk: keep flag, total log decay and the state's multiplier after the commit.
-    Callers form e^{G_L - G_t} in one exp: e^{G_L} * e^{-G_t} overflows (inf * 0 = NaN) once a chunk's decay
-    passes e^-88, which the layer's gates (A up to 16) reach."""
-    m = tl.load(keep + i_keep).to(tl.float32)
-    g_last = tl.load(G + (tl.minimum(t0 + 64, T) - 1) * stride_g)
-    decay = tl.exp(g_last)
-    base = decay if DECAY_DROPPED else 1.0
-    return m, g_last, m * decay + (1.0 - m) * base
-
-
-@triton.jit
-def _gate_block(A, Gi, Gj, beta_i, mi, mj, DIAG: tl.constexpr):
-    """beta_i * A_ij * e^{G_i - G_j} on valid rows/cols (strictly lower part when DIAG)."""
-    o = tl.arange(0, 16)
-    valid = mi[:, None] & mj[None, :]
-    if DIAG:
-        valid = valid & (o[:, None] > o[None, :])
-    return tl.where(valid, A * tl.exp(Gi[:, None] - Gj[None, :]), 0.0) * beta_i[:, None]
-
-
-@triton.jit
-def _inv_unit_lower16(A):
-    """(I + A)^{-1} for strictly lower 16x16 A, by forward substitution on the rows of Y = inverse - I."""
-    o = tl.arange(0, 16)
-    Y = -A
-    for i in range(2, 16):
-        a = tl.sum(tl.where((o == i)[:, None], -A, 0.0), 0)
-        a = a + tl.sum(a[:, None] * Y, 0)
-        Y = tl.where((o == i)[:, None], a[None, :], Y)
-    return Y + tl.where(o[:, None] == o[None, :], 1.0, 0.0)
-
-
-@_tuned(['H', 'K'], [(2, 2), (4, 2)])
-@triton.jit
-def _kkt_inv_kernel(k, g, beta, G, Ai, T, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr):
-    """Chunk-local cumsum G of g and Ai = (I + A)^{-1}, A_ij = beta_i k_i.k_j e^{G_i - G_j} (i > j); grid (NT, B*H)."""
-    i_t, i_bh = tl.program_id(0), tl.program_id(1)
-    i_b, i_h = i_bh // H, i_bh % H
-    bos = i_b.to(tl.int64) * T
-    k += (bos * H + i_h) * K
-    g += bos * H + i_h
-    beta += bos * H + i_h
-    G += bos * H + i_h
-    Ai += (bos * H + i_h) * 64
-    o = tl.arange(0, 16)
-    r0, r1, r2, r3 = i_t * 64 + o, i_t * 64 + 16 + o, i_t * 64 + 32 + o, i_t * 64 + 48 + o
-    m0, m1, m2, m3 = r0 < T, r1 < T, r2 < T, r3 < T
-    g0, g1, g2, g3 = _ld_vec(g, r0, T, H), _ld_vec(g, r1, T, H), _ld_vec(g, r2, T, H), _ld_vec(g, r3, T, H)
-    G0 = tl.cumsum(g0, 0)
-    G1 = tl.cumsum(g1, 0) + tl.sum(g0, 0)
-    G2 = tl.cumsum(g2, 0) + tl.sum(g0, 0) + tl.sum(g1, 0)
-    G3 = tl.cumsum(g3, 0) + tl.sum(g0, 0) + tl.sum(g1, 0) + tl.sum(g2, 0)
-    tl.store(G + r0 * H, G0, mask=m0)
-    tl.store(G + r1 * H, G1, mask=m1)
-    tl.store(G + r2 * H, G2, mask=m2)
-    tl.store(G + r3 * H, G3, mask=m3)
-
-    A00 = tl.zeros([16, 16], tl.float32)
-    A10, A11 = tl.zeros([16, 16], tl.float32), tl.zeros([16, 16], tl.float32)
-    A20, A21, A22 = tl.zeros([16, 16], tl.float32), tl.zeros([16, 16], tl.float32), tl.zeros([16, 16], tl.float32)
-    A30, A31 = tl.zeros([16, 16], tl.float32), tl.zeros([16, 16], tl.float32)
-    A32, A33 = tl.zeros([16, 16], tl.float32), tl.zeros([16, 16], tl.float32)
-    for i_k in range(tl.cdiv(K, BK)):
-        c = i_k * BK + tl.arange(0, BK)
-        k0, k1, k2, k3 = _ld(k, r0, c, T, K, H * K), _ld(k, r1, c, T, K, H * K), _ld(k, r2, c, T, K, H * K), \
-            _ld(k, r3, c, T, K, H * K)
-        k0t, k1t, k2t = _ld_t(k, r0, c, T, K, H * K), _ld_t(k, r1, c, T, K, H * K), _ld_t(k, r2, c, T, K, H * K)
-        k3t = _ld_t(k, r3, c, T, K, H * K)
-        A00 += tl.dot(k0, k0t)
-        A10 += tl.dot(k1, k0t)
-        A11 += tl.dot(k1, k1t)
-        A20 += tl.dot(k2, k0t)
-        A21 += tl.dot(k2, k1t)
-        A22 += tl.dot(k2, k2t)
-        A30 += tl.dot(k3, k0t)
-        A31 += tl.dot(k3, k1t)
-        A32 += tl.dot(k3, k2t)
-        A33 += tl.dot(k3, k3t)
-    b0, b1, b2, b3 = _ld_vec(beta, r0, T, H), _ld_vec(beta, r1, T, H), _ld_vec(beta, r2, T, H), \
-        _ld_vec(beta, r3, T, H)
-    A00 = _gate_block(A00, G0, G0, b0, m0, m0, True)
-    A11 = _gate_block(A11, G1, G1, b1, m1, m1, True)
-    A22 = _gate_block(A22, G2, G2, b2, m2, m2, True)
-    A33 = _gate_block(A33, G3, G3, b3, m3, m3, True)
-    A10 = _gate_block(A10, G1, G0, b1, m1, m0, False)
-    A20 = _gate_block(A20, G2, G0, b2, m2, m0, False)
-    A21 = _gate_block(A21, G2, G1, b2, m2, m1, False)
-    A30 = _gate_block(A30, G3, G0, b3, m3, m0, False)
-    A31 = _gate_block(A31, G3, G1, b3, m3, m1, False)
-    A32 = _gate_block(A32, G3, G2, b3, m3, m2, False)
-
-    X00, X11 = _inv_unit_lower16(A00), _inv_unit_lower16(A11)
-    X22, X33 = _inv_unit_lower16(A22), _inv_unit_lower16(A33)
-    # block forward substitution: X_ij = -X_ii sum_{j <= l < i} A_il X_lj
-    X10 = -tl.dot(X11, tl.dot(A10, X00))
-    X21 = -tl.dot(X22, tl.dot(A21, X11))
-    X20 = -tl.dot(X22, tl.dot(A20, X00) + tl.dot(A21, X10))
-    X32 = -tl.dot(X33, tl.dot(A32, X22))
-    X31 = -tl.dot(X33, tl.dot(A31, X11) + tl.dot(A32, X21))
-    X30 = -tl.dot(X33, tl.dot(A30, X00) + tl.dot(A31, X10) + tl.dot(A32, X20))
-    zero = tl.zeros([16, 16], tl.float32)
-    s = H * 64
-    _st(Ai, r0, o, T, 16, s, X00)
-    _st(Ai, r0, 16 + o, T, 64, s, zero)
-    _st(Ai, r0, 32 + o, T, 64, s, zero)
-    _st(Ai, r0, 48 + o, T, 64, s, zero)
-    _st(Ai, r1, o, T, 64, s, X10)
-    _st(Ai, r1, 16 + o, T, 64, s, X11)
-    _st(Ai, r1, 32 + o, T, 64, s, zero)
-    _st(Ai, r1, 48 + o, T, 64, s, zero)
-    _st(Ai, r2, o, T, 64, s, X20)
-    _st(Ai, r2, 16 + o, T, 64, s, X21)
-    _st(Ai, r2, 32 + o, T, 64, s, X22)
-    _st(Ai, r2, 48 + o, T, 64, s, zero)
-    _st(Ai, r3, o, T, 64, s, X30)
-    _st(Ai, r3, 16 + o, T, 64, s, X31)
-    _st(Ai, r3, 32 + o, T, 64, s, X32)
-    _st(Ai, r3, 48 + o, T, 64, s, X33)
-
-
-@_tuned(['H', 'K', 'V'], [(4, 2), (8, 2)])
-@triton.jit
-def _wu_kernel(k, v, beta, G, Ai, w, u, T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-               BK: tl.constexpr, BV: tl.constexpr):
-    """w = Ai (beta e^G k), u = Ai (beta v) for one chunk; grid (NT, B*H)."""
-    i_t, i_bh = tl.program_id(0), tl.program_id(1)
-    i_b, i_h = i_bh // H, i_bh % H
-    bos = i_b.to(tl.int64) * T
-    r = i_t * 64 + tl.arange(0, 64)
-    b_A = _ld(Ai + (bos * H + i_h) * 64, r, tl.arange(0, 64), T, 64, H * 64)
-    b_beta = _ld_vec(beta + bos * H + i_h, r, T, H)
-    b_eg = tl.exp(_ld_vec(G + bos * H + i_h, r, T, H))
-    for i_k in range(tl.cdiv(K, BK)):
-        c = i_k * BK + tl.arange(0, BK)
-        b_k = _ld(k + (bos * H + i_h) * K, r, c, T, K, H * K)
-        b_kb = (b_k * (b_beta * b_eg)[:, None]).to(b_k.dtype)
-        _st(w + (bos * H + i_h) * K, r, c, T, K, H * K, tl.dot(b_A.to(b_k.dtype), b_kb))
-    for i_v in range(tl.cdiv(V, BV)):
-        c = i_v * BV + tl.arange(0, BV)
-        b_v = _ld(v + (bos * H + i_h) * V, r, c, T, V, H * V)
-        b_vb = (b_v * b_beta[:, None]).to(b_v.dtype)
-        _st(u + (bos * H + i_h) * V, r, c, T, V, H * V, tl.dot(b_A.to(b_v.dtype), b_vb))
-
+from megahybrid_kernels.nats.gdn.wy import _bwd_wy_kernel, _recompute_wu, _wy_fwd
 
 @triton.jit
 def _fwd_h_program(k, w, u, G, keep, h, v_new, h0, ht, T, NT, H: tl.constexpr, K: tl.constexpr,
@@ -437,76 +257,6 @@ def _bwd_dqkwg_kernel(q, k, v_new, h, dh, do, dv2, G, keep, dq, dk, dw, dG, dkee
     tl.store(dkeep + i_k * B * H * NT + i_bh.to(tl.int64) * NT + i_t, tl.sum(kd_dks, 0) + (decay - base) * hdh)
 
 
-@_tuned(['H', 'K', 'V'], [(4, 2), (8, 1), (8, 2)])
-@triton.jit
-def _bwd_wy_kernel(k, v, beta, G, Ai, dw, du, dk_in, dG_in, dk, dv, dbeta, dg, T, H: tl.constexpr,
-                   K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
-    """Back through w = Ai (beta e^G k), u = Ai (beta v) and Ai = (I + A)^{-1}; adds dk_in, dG_in and turns the
-    cumulative-gate gradient into dg by a reverse cumsum; grid (NT, B*H)."""
-    i_t, i_bh = tl.program_id(0), tl.program_id(1)
-    i_b, i_h = i_bh // H, i_bh % H
-    bos = i_b.to(tl.int64) * T
-    r, cr = i_t * 64 + tl.arange(0, 64), tl.arange(0, 64)
-    valid = r < T
-    Ai += (bos * H + i_h) * 64
-    b_A = _ld(Ai, r, cr, T, 64, H * 64)
-    b_At = _ld_t(Ai, r, cr, T, 64, H * 64)
-    b_beta = _ld_vec(beta + bos * H + i_h, r, T, H)
-    b_G = _ld_vec(G + bos * H + i_h, r, T, H)
-    b_eg = tl.where(valid, tl.exp(b_G), 0.0)
-    b_dbeta = tl.zeros([64], tl.float32)
-    b_dG = _ld_vec(dG_in + bos * H + i_h, r, T, H)
-    b_dT = tl.zeros([64, 64], tl.float32)
-    b_dTt = tl.zeros([64, 64], tl.float32)
-    for i_v in range(tl.cdiv(V, BV)):
-        cv = i_v * BV + tl.arange(0, BV)
-        b_v = _ld(v + (bos * H + i_h) * V, r, cv, T, V, H * V)
-        b_vt = _ld_t(v + (bos * H + i_h) * V, r, cv, T, V, H * V)
-        b_du = _ld(du + (bos * H + i_h) * V, r, cv, T, V, H * V).to(b_v.dtype)
-        b_dut = _ld_t(du + (bos * H + i_h) * V, r, cv, T, V, H * V).to(b_v.dtype)
-        b_dvb = tl.dot(b_At.to(b_v.dtype), b_du)
-        _st(dv + (bos * H + i_h) * V, r, cv, T, V, H * V, b_dvb * b_beta[:, None])
-        b_dbeta += tl.sum(b_dvb * b_v.to(tl.float32), 1)
-        b_dT += tl.dot(b_du, (b_vt * b_beta[None, :]).to(b_v.dtype))
-        b_dTt += tl.dot((b_v * b_beta[:, None]).to(b_v.dtype), b_dut)
-    b_kk = tl.zeros([64, 64], tl.float32)
-    for i_k in range(tl.cdiv(K, BK)):
-        c = i_k * BK + tl.arange(0, BK)
-        b_k = _ld(k + (bos * H + i_h) * K, r, c, T, K, H * K)
-        b_kt = _ld_t(k + (bos * H + i_h) * K, r, c, T, K, H * K)
-        b_dw = _ld(dw + (bos * H + i_h) * K, r, c, T, K, H * K).to(b_k.dtype)
-        b_dwt = _ld_t(dw + (bos * H + i_h) * K, r, c, T, K, H * K).to(b_k.dtype)
-        b_kb = b_k * (b_beta * b_eg)[:, None]
-        b_dkb = tl.dot(b_At.to(b_k.dtype), b_dw)
-        b_dbeta += tl.sum(b_dkb * b_k.to(tl.float32), 1) * b_eg
-        b_dG += tl.sum(b_dkb * b_kb, 1)
-        b_dT += tl.dot(b_dw, (b_kt * (b_beta * b_eg)[None, :]).to(b_k.dtype))
-        b_dTt += tl.dot(b_kb.to(b_k.dtype), b_dwt)
-        b_kk += tl.dot(b_k, b_kt)
-    # dA = -Ai^T dAi Ai^T and its transpose -Ai dAi^T Ai, both computed directly
-    lower = (r[:, None] > r[None, :]) & valid[:, None] & valid[None, :]
-    upper = (r[:, None] < r[None, :]) & valid[:, None] & valid[None, :]
-    b_dA = -tl.dot(tl.dot(b_At, b_dT), b_At)
-    b_dA = tl.where(lower, b_dA * tl.exp(b_G[:, None] - b_G[None, :]), 0.0)
-    b_dAt = -tl.dot(tl.dot(b_A, b_dTt), b_A)
-    b_dAt = tl.where(upper, b_dAt * tl.exp(b_G[None, :] - b_G[:, None]), 0.0)
-    b_x = b_dA * b_kk
-    b_dbeta += tl.sum(b_x, 1)
-    b_dG += b_beta * tl.sum(b_x, 1) - tl.sum(b_x * b_beta[:, None], 0)
-    for i_k in range(tl.cdiv(K, BK)):
-        c = i_k * BK + tl.arange(0, BK)
-        b_k = _ld(k + (bos * H + i_h) * K, r, c, T, K, H * K)
-        b_dw = _ld(dw + (bos * H + i_h) * K, r, c, T, K, H * K).to(b_k.dtype)
-        b_dk = _ld(dk_in + (bos * H + i_h) * K, r, c, T, K, H * K).to(tl.float32)
-        b_dk += tl.dot(b_At.to(b_k.dtype), b_dw) * (b_beta * b_eg)[:, None]
-        b_dk += tl.dot(b_dA.to(b_k.dtype), b_k) * b_beta[:, None]
-        b_dk += tl.dot(b_dAt.to(b_k.dtype), (b_k * b_beta[:, None]).to(b_k.dtype))
-        _st(dk + (bos * H + i_h) * K, r, c, T, K, H * K, b_dk)
-    tl.store(dbeta + bos * H + i_h + r * H, b_dbeta.to(dbeta.dtype.element_ty), mask=valid)
-    b_dg = tl.cumsum(b_dG, 0, reverse=True)
-    tl.store(dg + bos * H + i_h + r * H, b_dg.to(dg.dtype.element_ty), mask=valid)
-
-
 def _bv(n_programs: int, V: int, device: torch.device) -> int:
     """V tile of the sequential kernels: 32, or 16 when B*H*V/32 would leave most SMs idle."""
     if device.type != "cuda":
@@ -524,37 +274,6 @@ def _state_bk(K: int, device: torch.device) -> int:
     stays zero and its products add zeros). The interpreter keeps the next power of two.
     """
     return next_pow2(K) if device.type != "cuda" else max(128, next_pow2(K))
-
-
-def _chunk_bk(K: int, device: torch.device) -> int:
-    """K tile of the chunk-parallel kernels: up to 64 wide, the loops cover larger K. On the GPU always 64: the
-    tiny model's K = 32 (32-wide tiles) faulted with an illegal address on the H200 (Triton 3.6 sm_90, as the
-    narrow state tile of _state_bk); columns >= K are masked to zero."""
-    return 64 if device.type == "cuda" else min(64, next_pow2(K))
-
-
-def _loop_bv(V: int, dtype: torch.dtype) -> int:
-    """V tile of the chunk-parallel kernels: 64 for 16-bit inputs, 32 for fp32 (bounds the pipelined tiles)."""
-    return min(64 if dtype.itemsize == 2 else 32, next_pow2(V))
-
-
-def _wy_fwd(k, v, g, beta):
-    """G (chunk-local cumsum of g, fp32) and Ai = (I + A)^{-1} per chunk, `[B, T, H]` and `[B, T, H, 64]`."""
-    B, T, H, K = k.shape
-    NT = triton.cdiv(T, BT)
-    G = torch.empty(B, T, H, device=k.device, dtype=torch.float32)
-    Ai = torch.empty(B, T, H, BT, device=k.device, dtype=torch.float32)
-    _kkt_inv_kernel[(NT, B * H)](k, g, beta, G, Ai, T, H=H, K=K, BK=_chunk_bk(K, k.device))
-    return G, Ai
-
-
-def _recompute_wu(k, v, beta, G, Ai):
-    B, T, H, K = k.shape
-    V = v.shape[-1]
-    w, u = torch.empty_like(k), torch.empty_like(v)
-    _wu_kernel[(triton.cdiv(T, BT), B * H)](k, v, beta, G, Ai, w, u, T, H=H, K=K, V=V, BK=_chunk_bk(K, k.device),
-                                            BV=_loop_bv(V, k.dtype))
-    return w, u
 
 
 def _fwd_h(k, w, u, G, keep, initial_state, output_final_state, decay_dropped):
