@@ -20,6 +20,17 @@ def use_torch_path(x: torch.Tensor) -> bool:
     return x.device.type == "cpu" and not interpreting()
 
 
+def absent(like: torch.Tensor) -> torch.Tensor:
+    """The stand-in a custom op returns for a tensor a case has not (a custom op cannot return None): a fresh empty
+    fp32 tensor on like's device (fresh each time: an op's returns may not alias one another)."""
+    return like.new_empty(0, dtype=torch.float32)
+
+
+def present(t: torch.Tensor | None) -> torch.Tensor | None:
+    """None for None or an `absent` stand-in, else t."""
+    return None if t is None or t.numel() == 0 else t
+
+
 def next_pow2(n: int, lo: int = 16) -> int:
     """The smallest power of two >= n and >= lo (tile widths; tl.dot needs at least 16)."""
     return max(lo, triton.next_power_of_2(n))

@@ -9,6 +9,8 @@ its tuning knobs from one `InterdomainPlan` (utils.py), so a benchmark sweeps pl
 import torch
 import triton
 
+from megahybrid_kernels._triton import absent, present
+
 from .checks import check_decay, check_inputs
 from .naive import EPS, sign_nonzero
 from .readout import readout_bwd_a, readout_fwd, readout_grad
@@ -102,10 +104,6 @@ def plan_index(plan: InterdomainPlan) -> int:
     return PLANS.index(plan)
 
 
-def _none_if_empty(t):
-    return None if t is None or t.numel() == 0 else t
-
-
 @torch.library.custom_op("megahybrid::interdomain_fwd", mutates_args=())
 def interdomain_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, decay: torch.Tensor, b: torch.Tensor,
                        u0: torch.Tensor | None, g0: torch.Tensor | None, p: torch.Tensor | None, chunk_size: int,
@@ -114,8 +112,7 @@ def interdomain_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, decay:
     unsegmented), which the backward takes back."""
     check_decay(decay)
     o, uf, gf, (su, sg) = interdomain_fwd(q, k, v, decay, b, u0, g0, chunk_size, p, PLANS[plan_id])
-    empty = lambda: q.new_empty(0, dtype=torch.float32)  # noqa: E731  (a fresh one each: returns may not alias)
-    return o, uf, gf, empty() if su is None else su, empty() if sg is None else sg
+    return o, uf, gf, absent(q) if su is None else su, absent(q) if sg is None else sg
 
 
 def _starts_shape(z, b, chunk_size, plan):
@@ -142,13 +139,13 @@ def interdomain_bwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, decay:
                        chunk_size: int, plan_id: int) -> list[torch.Tensor]:
     """interdomain_bwd: dq, dk, dv, ddecay, db, du0, dg0, dp (the last three empty where their input was None)."""
     grads = interdomain_bwd(q, k, v, decay, b, u0, g0, do, duf, dgf, chunk_size,
-                            (_none_if_empty(su), _none_if_empty(sg)), p, PLANS[plan_id])
-    return [q.new_empty(0, dtype=torch.float32) if g is None else g for g in grads]
+                            (present(su), present(sg)), p, PLANS[plan_id])
+    return [absent(q) if g is None else g for g in grads]
 
 
 @interdomain_bwd_op.register_fake
 def _(q, k, v, decay, b, u0, g0, p, su, sg, do, duf, dgf, chunk_size, plan_id):
-    like = lambda t: q.new_empty(0, dtype=torch.float32) if t is None else torch.empty_like(t)  # noqa: E731
+    like = lambda t: absent(q) if t is None else torch.empty_like(t)  # noqa: E731
     return [torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(decay),
             torch.empty_like(b), like(u0), like(g0), like(p)]
 

@@ -106,7 +106,8 @@ def readout_p(readout):
         return None
     cr, ci = readout[..., 0], readout[..., 1]
     real = torch.bmm(cr.transpose(1, 2), cr) + torch.bmm(ci.transpose(1, 2), ci)
-    imag = torch.bmm(ci.transpose(1, 2), cr) - torch.bmm(cr.transpose(1, 2), ci)
+    cross = torch.bmm(ci.transpose(1, 2), cr)  # Cr^T Ci is its transpose
+    imag = cross - cross.transpose(1, 2)
     return torch.stack((real, imag), -1)
 
 

@@ -12,7 +12,7 @@ from megahybrid_kernels.interdomain.chunk import plan_index, readout_p
 from megahybrid_kernels.nats.attention import chunk as attention_chunk
 from megahybrid_kernels.nats.gdn import chunk as gdn_chunk
 from tests.kernels import test_nats_attention, test_nats_gdn
-from tests.kernels.test_interdomain import make_inputs, run_op
+from tests.kernels.test_interdomain import make_inputs
 from tests.kernels.test_interdomain_torch import make_readout
 from tests.utils import rel_rms_error, requires_gpu
 
@@ -42,30 +42,33 @@ def test_custom_op_registration(segmented, with_state, with_readout):
     torch.library.opcheck(interdomain_fwd_op, args)
 
 
-def _layer_like(q, k, v, decay, b, u0, g0, readout=None, normalize=False, plan=None):
-    return interdomain_attention(q, k, v, decay, b, initial_state=(u0, g0), output_final_state=True,
-                                 normalize=normalize, chunk_size=16, readout=readout, plan=plan)
+def _compiled_matches_eager(fn, leaves, tol=COMPILED_TOL):
+    runs = []
+    for compiled in (False, True):
+        xs = [x.detach().clone().requires_grad_() for x in leaves]
+        torch._dynamo.reset()
+        outs = (torch.compile(fn, fullgraph=True) if compiled else fn)(*xs)
+        gen = torch.Generator().manual_seed(3)
+        loss = sum((o.float() * torch.randn(o.shape, generator=gen).to(o.device)).sum() for o in outs)
+        loss.backward()
+        runs.append([*outs, *(x.grad for x in xs)])
+    assert all(t is not None for t in runs[0])
+    for got, want in zip(runs[1], runs[0]):
+        assert rel_rms_error(got, want) < tol
 
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("plan", [None, SEGMENTED], ids=["default", "segmented"])
 def test_compiled_caller_keeps_the_op_in_one_graph(plan, device):
-    """fullgraph=True fails on any graph break; outputs, final state and every gradient equal eager's."""
-    inputs = make_inputs(2, 63, 2, 16, 24, 8, device=device)
-    readout = make_readout(2, 8, device=device)
-    runs = []
-    for compiled in (False, True):
-        c = readout.clone().requires_grad_()
+    """fullgraph=True fails on any graph break; outputs, final state and every gradient (C's too) equal eager's."""
+    q, k, v, decay, b, u0, g0 = make_inputs(2, 63, 2, 16, 24, 8, device=device)
 
-        def fn(q, k, v, decay, b, initial_state, output_final_state, normalize):
-            return _layer_like(q, k, v, decay, b, *initial_state, readout=c, plan=plan)
+    def fn(q, k, v, decay, b, u0, g0, c):
+        o, state = interdomain_attention(q, k, v, decay, b, initial_state=(u0, g0), output_final_state=True,
+                                         chunk_size=16, readout=c, plan=plan)
+        return (o, *state)
 
-        torch._dynamo.reset()
-        o, state, grads = run_op(torch.compile(fn, fullgraph=True) if compiled else fn, inputs, False)
-        runs.append([o, *state, *grads, c.grad])
-    assert len(runs[0]) == 2 + 1 + 7 + 1 and all(t is not None for t in runs[0])
-    for got, want in zip(runs[1], runs[0]):
-        assert rel_rms_error(got, want) < COMPILED_TOL
+    _compiled_matches_eager(fn, [q, k, v, decay, b, u0, g0, make_readout(2, 8, device=device)])
 
 
 def test_plan_index_is_stable():
@@ -86,21 +89,6 @@ def test_selected_gdn_op_registration(with_state):
     args = [t.requires_grad_() for t in (q, k, v, g, beta, keep)]
     torch.library.opcheck(gdn_chunk.selected_gdn_fwd_op,
                           (*args, 0.25, h0.requires_grad_() if with_state else None, with_state, True, False))
-
-
-def _compiled_matches_eager(fn, leaves, tol=COMPILED_TOL):
-    runs = []
-    for compiled in (False, True):
-        xs = [x.detach().clone().requires_grad_() for x in leaves]
-        torch._dynamo.reset()
-        outs = (torch.compile(fn, fullgraph=True) if compiled else fn)(*xs)
-        gen = torch.Generator().manual_seed(3)
-        loss = sum((o.float() * torch.randn(o.shape, generator=gen).to(o.device)).sum() for o in outs)
-        loss.backward()
-        runs.append([*outs, *(x.grad for x in xs)])
-    assert all(t is not None for t in runs[0])
-    for got, want in zip(runs[1], runs[0]):
-        assert rel_rms_error(got, want) < tol
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
-from megahybrid_kernels._triton import interpreting, next_pow2, use_torch_path
+from megahybrid_kernels._triton import absent, interpreting, next_pow2, present, use_torch_path
 from megahybrid_kernels.nats.checks import check_keep_values, check_log_decay
 from megahybrid_kernels.nats.gdn.tiles import BT, _chunk_bk, _chunk_scalars, _ld, _ld_t, _ld_vec, _loop_bv, _st, _tuned
 from megahybrid_kernels.nats.gdn.torch_chunk import torch_chunk_selected_gdn
@@ -362,14 +362,14 @@ def selected_gdn_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: to
     check_log_decay(g, "chunk_selected_gdn")
     with _refuse_unbuildable(q, v):
         o, ht, G, Ai = chunk_selected_gdn_fwd(q, k, v, g, beta, keep, scale, h0, output_final_state, decay_dropped)
-    return o, q.new_empty(0, dtype=torch.float32) if ht is None else ht, G, Ai
+    return o, absent(q) if ht is None else ht, G, Ai
 
 
 @selected_gdn_fwd_op.register_fake
 def _(q, k, v, g, beta, keep, scale, h0, output_final_state, decay_dropped, dkeep_dropped):
     B, T, H, K = q.shape
     f32 = dict(dtype=torch.float32)
-    ht = q.new_empty(B, H, K, v.shape[-1], **f32) if output_final_state else q.new_empty(0, **f32)
+    ht = q.new_empty(B, H, K, v.shape[-1], **f32) if output_final_state else absent(q)
     return torch.empty_like(v), ht, q.new_empty(B, T, H, **f32), q.new_empty(B, T, H, BT, **f32)
 
 
@@ -381,13 +381,13 @@ def selected_gdn_bwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta:
     with _refuse_unbuildable(q, v):
         grads = chunk_selected_gdn_bwd(q, k, v, beta, keep, G, Ai, scale, h0, do, dht, decay_dropped, dkeep_dropped)
     dh0 = grads[-1]
-    return [*grads[:-1], q.new_empty(0, dtype=torch.float32) if dh0 is None else dh0.to(h0.dtype)]
+    return [*grads[:-1], absent(q) if dh0 is None else dh0.to(h0.dtype)]
 
 
 @selected_gdn_bwd_op.register_fake
 def _(q, k, v, beta, keep, G, Ai, scale, h0, do, dht, decay_dropped, dkeep_dropped):
     B, T, H, _ = q.shape
-    dh0 = torch.empty_like(h0) if h0 is not None else q.new_empty(0, dtype=torch.float32)
+    dh0 = torch.empty_like(h0) if h0 is not None else absent(q)
     return [torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), q.new_empty(B, T, H, dtype=torch.float32),
             torch.empty_like(beta), torch.empty_like(keep), dh0]
 
@@ -401,7 +401,8 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, do, dht, _dG, _dAi):
     q, k, v, beta, keep, G, Ai, h0 = ctx.saved_tensors
     # contiguous: a gradient arriving from ht.sum() is an expanded (stride 0) tensor, which the kernel read past
-    dht = dht.contiguous() if dht is not None and dht.numel() else None
+    dht = present(dht)
+    dht = dht.contiguous() if dht is not None else None
     dq, dk, dv, dg, dbeta, dkeep, dh0 = selected_gdn_bwd_op(q, k, v, beta, keep, G, Ai, ctx.scale, h0,
                                                             do.contiguous(), dht, ctx.decay_dropped,
                                                             ctx.dkeep_dropped)
