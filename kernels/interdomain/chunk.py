@@ -16,7 +16,7 @@ from .naive import EPS, sign_nonzero
 from .readout import readout_bwd_a, readout_fwd, readout_grad
 from .scan import powers, scan, scan_layout
 from .torch_chunk import interdomain_torch
-from .utils import DEFAULT_PLAN, InterdomainPlan, readout_p, uses_torch_path
+from .utils import DEFAULT_PLAN, PLANS, InterdomainPlan, readout_p, uses_torch_path
 
 
 def interdomain_fwd(q, k, v, decay, b, u0=None, g0=None, chunk_size=64, p=None,
@@ -91,17 +91,7 @@ def readout_p_grad(araw: torch.Tensor, dar: torch.Tensor) -> torch.Tensor:
 # The op enters autograd and torch.compile as two custom ops: a compiled model then keeps each Interdomain layer in
 # one graph with the op an opaque node in it. (torch.compiler.disable, used before, broke the graph once per frame
 # on the stack: four extra graphs per layer, whose per-call host cost left the H200 idle 25% of a 125M step.) The
-# plan, not a tensor, travels as an index into PLANS.
-PLANS: list[InterdomainPlan] = [DEFAULT_PLAN]
-
-
-@torch.compiler.assume_constant_result  # dynamo runs it while tracing, and the index is a constant of the graph
-def plan_index(plan: InterdomainPlan) -> int:
-    if plan is DEFAULT_PLAN:
-        return 0
-    if plan not in PLANS:
-        PLANS.append(plan)
-    return PLANS.index(plan)
+# plan, not a tensor, travels as its index into PLANS (plan.plan_id).
 
 
 @torch.library.custom_op("megahybrid::interdomain_fwd", mutates_args=())
@@ -214,7 +204,7 @@ def interdomain_attention(q, k, v, decay, b, initial_state=None, output_final_st
         o, uf, gf = _torch_path(q, k, v, decay, b, u0, g0, chunk_size, readout)
     else:
         o, uf, gf, _, _ = interdomain_fwd_op(q.contiguous(), k.contiguous(), v.contiguous(), decay.contiguous(),
-                                             b.contiguous(), u0, g0, readout_p(readout), chunk_size, plan_index(plan))
+                                             b.contiguous(), u0, g0, readout_p(readout), chunk_size, plan.plan_id)
     state = (uf.transpose(2, 3).contiguous(), gf.transpose(2, 3).contiguous()) if output_final_state else None
     if normalize:
         den = o[..., V:].float()

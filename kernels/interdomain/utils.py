@@ -9,6 +9,9 @@ import triton.language as tl
 from megahybrid_kernels._triton import interpreting, use_torch_path
 
 
+PLANS: list = []  # every distinct InterdomainPlan made, at its plan_id
+
+
 @dataclass(frozen=True)
 class InterdomainPlan:
     """Tuning knobs of the chunk kernels, defaulted from what was measured on the H200 (pass another plan to
@@ -72,6 +75,14 @@ class InterdomainPlan:
     scan_tile: tuple = (32, 64)
     readout_on_gpu: bool = True
     fused_readout: bool = True
+
+    def __post_init__(self):
+        # The custom ops take a plan as an int, its index in PLANS, read here as a plain attribute so that it also
+        # traces under torch.compile: torch 2.11's dynamo cannot hand a frozen dataclass to an
+        # assume_constant_result function, which failed every compiled `I` layer on the H200.
+        if self not in PLANS:  # equal plans share one index
+            PLANS.append(self)
+        object.__setattr__(self, "plan_id", PLANS.index(self))
 
     def warps(self, launch: str) -> int:
         """num_warps of one launch kind: scan, fwd, bwd_a, bwd_dq, bwd_dk or bwd_dv."""

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from megahybrid_kernels.interdomain import InterdomainPlan, interdomain_attention, interdomain_fwd_op
-from megahybrid_kernels.interdomain.chunk import plan_index, readout_p
+from megahybrid_kernels.interdomain.chunk import readout_p
 from megahybrid_kernels.nats.attention import chunk as attention_chunk
 from megahybrid_kernels.nats.gdn import chunk as gdn_chunk
 from tests.kernels import test_nats_attention, test_nats_gdn
@@ -29,7 +29,7 @@ def _op_args(segmented: bool, with_state: bool, with_readout: bool):
     p = readout_p(make_readout(2, 8)) if with_readout else None
     plan = SEGMENTED if segmented else InterdomainPlan()
     args = [t.requires_grad_() if t is not None else None for t in (q, k, v, decay, b, *state, p)]
-    return (*args, 16, plan_index(plan))
+    return (*args, 16, plan.plan_id)
 
 
 @pytest.mark.parametrize("segmented,with_state,with_readout", [(False, False, False), (True, True, True)])
@@ -72,8 +72,8 @@ def test_compiled_caller_keeps_the_op_in_one_graph(plan, device):
 
 
 def test_plan_index_is_stable():
-    assert plan_index(InterdomainPlan()) == 0
-    assert plan_index(SEGMENTED) == plan_index(InterdomainPlan(scan_segment=2, scan_segment_above=2)) > 0
+    assert InterdomainPlan().plan_id == 0
+    assert SEGMENTED.plan_id == InterdomainPlan(scan_segment=2, scan_segment_above=2).plan_id > 0
 
 
 @pytest.mark.parametrize("grad_unselected", [False, True])
