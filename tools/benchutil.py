@@ -2,23 +2,13 @@
 import datetime
 import json
 import os
-import subprocess
 from pathlib import Path
 
 import torch
 
+from megahybrid.eval.loading import git_commit
+
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
-
-
-def git_commit() -> str:
-    env_commit = os.environ.get("MEGAHYBRID_COMMIT")
-    if env_commit:
-        return env_commit
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True)
-        return out.stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def gpu_name() -> str:

@@ -91,7 +91,10 @@ def _latest(path: str) -> str:
 
 
 def git_commit() -> str:
-    """The short commit of the code that ran, for the results' records ("unknown" outside a checkout)."""
+    """The short commit of the code that ran, for the results' records: MEGAHYBRID_COMMIT where set (a copy of the
+    working tree on a device machine may carry an older .git), else HEAD ("unknown" outside a checkout)."""
+    if os.environ.get("MEGAHYBRID_COMMIT"):
+        return os.environ["MEGAHYBRID_COMMIT"]
     here = os.path.dirname(os.path.abspath(__file__))
     out = subprocess.run(["git", "-C", here, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
     return out.stdout.strip() if out.returncode == 0 else "unknown"
