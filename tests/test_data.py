@@ -229,6 +229,23 @@ def test_good_per_split_config_validates(data, tmp_path):
     assert len(splits.train) == 100 and len(splits.valid) >= 10 and splits.test is None
 
 
+def test_validation_prefix_is_read_for_eval_iters_batches(data, tmp_path):
+    """megatron builds a split with its own prefixes whole (data.valid_prefixes), whatever size is asked; the
+    trainer's validation set is its first eval.iters global batches (it read the whole split at every evaluation)."""
+    from megahybrid.train.config import load_config
+    from megahybrid.train.data import build_splits, prepare_data
+
+    cfg = load_config("demo", ["data.builtin=false", f"data.train_prefixes=[{data['a']}]",
+                               f"data.valid_prefixes=[{data['b']}]", f"data.tokenizer_model={data['model']}",
+                               f"data.cache_dir={tmp_path / 'idx'}", "eval.iters=2", "batch.global_batch_size=4",
+                               "batch.micro_batch_size=4", "train.steps=3", f"run_dir={tmp_path / 'run'}"])
+    prepared = prepare_data(cfg, SEQ, VOCAB)
+    whole = build_datasets(prepared, SEQ, (12, 8, 0)).valid
+    _, valid = build_splits(cfg, prepared, SEQ)
+    assert len(whole) > 8 and len(valid) == 8
+    assert torch.equal(_tokens(valid, 8), _tokens(whole, 8))
+
+
 @pytest.mark.parametrize(
     "args, message",
     [

@@ -55,7 +55,12 @@ def build_splits(cfg: RunConfig, data, seq_length: int):
     if isinstance(data, SyntheticData):
         return RandomTokens(train_samples, seq_length, data.vocab_size, data.seed), None
     splits = build_datasets(data, seq_length, (train_samples, valid_samples, 0))
-    return splits.train, splits.valid
+    valid = splits.valid
+    if valid is not None and len(valid) > valid_samples:
+        # megatron builds a split given by its own prefixes (data.valid_prefixes) whole, whatever size was asked:
+        # an evaluation reads eval.iters global batches, not the whole split (510 batches of a 2M-token split)
+        valid = torch.utils.data.Subset(valid, range(valid_samples))
+    return splits.train, valid
 
 
 def train_loader(cfg: RunConfig, dataset, groups, consumed_samples: int, num_workers: int) -> MicroBatchLoader:
