@@ -45,11 +45,12 @@ def test_repro_small_end_to_end_on_cpu(data_dir, tmp_path, capsys, monkeypatch):
     tool = _tool()
     results = str(tmp_path / "results" / "repro")
     argv = ["--data-dir", data_dir, "--tokens", str(STEPS * 4 * 64), "--run-root", str(tmp_path / "runs"),
-            "--results", results, "--models", ",".join(MODELS), "--parallel", "2", *TINY]
+            "--results", results, "--models", ",".join(MODELS), "--parallel", "2", "--mqar-steps", "2", *TINY]
     assert tool.main(argv) == 0, capsys.readouterr()
     record = json.load(open(results + ".json"))
     assert list(record["models"]) == MODELS and record["meta"]["gpu"] == "cpu"
     assert record["meta"]["commit"] and record["meta"]["epochs"] > 0
+    assert record["meta"]["mqar_steps"] == 2  # recall of a fresh model per architecture, trained on MQAR
     for label, model in record["models"].items():
         assert model["pattern"] == tool.MODELS[label] and model["train"]["steps"] == STEPS
         assert model["tokens"] == STEPS * 4 * 64 and model["train"]["tokens_per_s"] > 0
@@ -81,10 +82,11 @@ def test_repro_small_stops_at_its_deadline_and_the_same_command_continues(data_d
     tool = _tool()
     steps, results = 16, str(tmp_path / "results" / "repro")
     argv = ["--data-dir", data_dir, "--tokens", str(steps * 4 * 64), "--run-root", str(tmp_path / "runs"),
-            "--results", results, "--models", "S", *TINY, "debug.sleep_per_step=1.5"]
+            "--results", results, "--models", "S", "--mqar-steps", "0", *TINY, "debug.sleep_per_step=1.5"]
     assert tool.main([*argv, "--deadline-s", "15"]) == 3
     err = capsys.readouterr().err
     assert "stopped at --deadline-s 15: S not finished" in err and "run the same command again" in err, err
     assert not os.path.exists(results + ".json")
     assert tool.main(argv) == 0, capsys.readouterr()
     assert json.load(open(results + ".json"))["models"]["S"]["train"]["steps"] == steps
+    assert "zero-shot on the language models" in open(results + ".md").read()

@@ -1,7 +1,8 @@
 """Small-scale reproduction (issue #20): ~20M-parameter `S`, `D`, `I`, `G` and NAtS-L Hybrid models trained on the
 same tokens with one recipe (megahybrid/configs/repro-small.yaml), then `megahybrid eval ppl` (position buckets to
-4x the training context, on the validation split) and `megahybrid eval recall` (MQAR and needle, zero-shot) on
-each; writes RESULTS.json and RESULTS.md (default tools/results/repro-small) with date, GPU and commit.
+4x the training context, on the validation split) and `megahybrid eval recall` on each: MQAR and needle accuracy
+of a fresh model of each architecture trained on MQAR for --mqar-steps (the usual MQAR protocol; 0: zero-shot on
+the language models, where a ~20M model scores ~0 and the comparison says nothing); writes RESULTS.json and RESULTS.md (default tools/results/repro-small) with date, GPU and commit.
 
 DATA_DIR holds what tools/prepare_wikipedia.py writes: tokenizer.model, train_text_document.{bin,idx} and
 valid_text_document.{bin,idx}. A token budget larger than the training split repeats it (epochs are reported).
@@ -10,7 +11,7 @@ The files for one GPU call (they must travel with the checkout, 64 MiB in all; 2
         --splits train,valid
 
 Usage: python tools/repro_small.py --data-dir data/wikipedia-en --tokens 25000000 [--models S,D,I,G,H]
-       [--parallel N] [--run-root DIR] [--results PATH] [--deadline-s S] [key=value ...]   (overrides for every
+       [--parallel N] [--run-root DIR] [--results PATH] [--deadline-s S] [--mqar-steps N] [key=value ...]   (overrides for every
        training run). With --deadline-s the training stops in time (checkpoints saved, exit 3) and the same command
        continues it, so a budget longer than one device call runs over several calls on a warm machine.
 """
@@ -144,8 +145,9 @@ def cli(argv: list) -> None:
         raise UserError(f"megahybrid {' '.join(argv[:2])} failed with exit {code}")
 
 
-def evaluate(labels: list, files: dict, run_root: str, seq: int) -> dict:
-    """eval ppl of every model on one plot (buckets seq/4 .. 4 seq), then eval recall of each."""
+def evaluate(labels: list, files: dict, run_root: str, seq: int, mqar_steps: int) -> dict:
+    """eval ppl of every model on one plot (buckets seq/4 .. 4 seq), then eval recall of each architecture: a fresh
+    model of its run config trained on MQAR for mqar_steps, or (0) its language model zero-shot."""
     ckpts = [os.path.join(run_root, label, "checkpoints") for label in labels]
     lengths = ",".join(str(n) for n in (seq // 4, seq // 2, seq, 2 * seq, 4 * seq))
     ppl_dir = os.path.join(run_root, "eval-ppl")
@@ -155,10 +157,13 @@ def evaluate(labels: list, files: dict, run_root: str, seq: int) -> dict:
     recall = {}
     for label, ckpt in zip(labels, ckpts):
         out = os.path.join(run_root, f"eval-recall-{label}")
-        cli(["eval", "recall", "--checkpoint", ckpt, "--lengths", f"{seq // 4},{seq // 2},{seq}",
+        source = (["--train-config", os.path.join(run_root, label, "config.yaml"), "--train-steps", str(mqar_steps)]
+                  if mqar_steps else ["--checkpoint", ckpt])
+        cli(["eval", "recall", *source, "--lengths", f"{seq // 4},{seq // 2},{seq}",
              "--keys", ",".join(map(str, MQAR_KEYS)), "--out", out])
         recall[label] = json.load(open(os.path.join(out, "recall.json")))["rows"]
-    return {"ppl": dict(zip(labels, ppl)), "recall": recall, "plot": os.path.join(ppl_dir, "ppl.png")}
+    return {"ppl": dict(zip(labels, ppl)), "recall": recall, "mqar_steps": mqar_steps,
+            "plot": os.path.join(ppl_dir, "ppl.png")}
 
 
 def record(labels: list, files: dict, tokens: int, run_root: str, evals: dict) -> dict:
@@ -181,7 +186,7 @@ def record(labels: list, files: dict, tokens: int, run_root: str, evals: dict) -
                      "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
                      "config": CONFIG, "data": os.path.dirname(files["train"]), "tokens_requested": tokens,
                      "train_tokens_available": available, "epochs": tokens / available,
-                     "train_length": model.seq_length},
+                     "train_length": model.seq_length, "mqar_steps": evals["mqar_steps"]},
             "models": models}
 
 
@@ -194,13 +199,20 @@ def markdown(result: dict) -> str:
              f"Config `{meta['config']}`, data `{meta['data']}`, {meta['tokens_requested']:,} tokens per model "
              f"({meta['epochs']:.2f} epochs of {meta['train_tokens_available']:,} training tokens), trained at "
              f"{meta['train_length']}; perplexity on the validation split by position bucket (past "
-             f"{meta['train_length']}: extrapolation); MQAR / needle zero-shot (MQAR length/keys). H is the NAtS-L Hybrid.",
+             f"{meta['train_length']}: extrapolation); MQAR / needle ({_recall_source(meta)}; MQAR length/keys). H is the "
+             "NAtS-L Hybrid.",
              "",
              "| model | pattern | params | tok/s | valid ppl | " + " | ".join(f"ppl {b}" for b in buckets)
              + " | " + " | ".join(f"MQAR {n}/{k}" for n, k in mqar) + " | NIAH mean |",
              "|" + " --- |" * (6 + len(buckets) + len(mqar))]
     lines += [_row(label, m, mqar) for label, m in models.items()]
     return "\n".join(lines) + "\n"
+
+
+def _recall_source(meta: dict) -> str:
+    steps = meta.get("mqar_steps")
+    return (f"a fresh model of each architecture trained on MQAR for {steps} steps" if steps
+            else "zero-shot on the language models")
 
 
 def _row(label: str, m: dict, mqar: list) -> str:
@@ -225,6 +237,9 @@ def parse(argv):
     parser.add_argument("--deadline-s", type=float, default=None,
                         help="stop training after this many seconds (checkpoints saved, exit 3); the same command "
                              "continues")
+    parser.add_argument("--mqar-steps", type=int, default=500,
+                        help="MQAR training steps of the fresh model whose recall is measured per architecture "
+                             "(0: zero-shot on the trained language models)")
     parser.add_argument("--results", default=os.path.join(REPO, "tools", "results", "repro-small"),
                         help="writes PATH.json, PATH.md and PATH.png")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="for every training run")
@@ -233,9 +248,10 @@ def parse(argv):
 
 def run(args) -> int:
     labels = [m for m in args.models.split(",") if m]
-    if not labels or set(labels) - set(MODELS) or args.tokens < 1 or args.parallel < 1:
-        raise UserError(f"--models {args.models} --tokens {args.tokens} --parallel {args.parallel}: choose models "
-                        f"from {','.join(MODELS)}, a positive token budget and --parallel >= 1")
+    if not labels or set(labels) - set(MODELS) or args.tokens < 1 or args.parallel < 1 or args.mqar_steps < 0:
+        raise UserError(f"--models {args.models} --tokens {args.tokens} --parallel {args.parallel} --mqar-steps "
+                        f"{args.mqar_steps}: choose models from {','.join(MODELS)}, a positive token budget, "
+                        "--parallel >= 1 and --mqar-steps >= 0")
     files = data_files(os.path.abspath(args.data_dir))
     run_root = os.path.abspath(args.run_root or os.path.join(REPO, "runs", f"repro-small-{args.tokens}"))
     overrides = {label: run_overrides(label, files, args.tokens, run_root, args.overrides) for label in labels}
@@ -250,7 +266,7 @@ def run(args) -> int:
     from megahybrid.train.config import load_config
 
     seq = load_config(CONFIG, args.overrides).model.overrides["seq_length"]
-    result = record(labels, files, args.tokens, run_root, evaluate(labels, files, run_root, seq))
+    result = record(labels, files, args.tokens, run_root, evaluate(labels, files, run_root, seq, args.mqar_steps))
     os.makedirs(os.path.dirname(os.path.abspath(args.results)), exist_ok=True)
     with open(args.results + ".json", "w") as f:
         json.dump(result, f, indent=1)
