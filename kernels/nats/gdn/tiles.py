@@ -10,7 +10,9 @@ BT = 64
 
 
 def _tuned(key, configs):
-    """Autotune (num_warps, num_stages) on a GPU; the interpreter runs the kernel untuned (it ignores both).
+    """Autotune (num_warps, num_stages) on a GPU; the interpreter runs the kernel untuned (it ignores both, and the
+    autotuner times configs with CUDA events). Decided at decoration, as triton.jit itself decides there whether a
+    kernel is interpreted (TRITON_INTERPRET at import): choosing per launch would gain nothing.
 
     Configs that exceed shared memory (fp32 inputs at high num_stages) are dropped by the autotuner.
     """
