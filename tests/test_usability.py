@@ -195,7 +195,8 @@ def test_bench_train_runs_the_trainer_step_and_the_baseline_on_cpu(tmp_path):
     bench = _tool("bench_train")
     rc = bench.main(["--rows", "tiny:full:2", "tiny:none:1:256", "--seq", "128", "--tokens", "512", "--steps", "2",
                      "--warmup", "1", "--results-dir", str(tmp_path)])
-    (path,) = tmp_path.glob("bench_train-*.json")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bench_train.json", "bench_train.md"]  # the current file
+    path = tmp_path / "bench_train.json"
     saved = json.loads(path.read_text())
     assert rc == 0, saved["rows"]
     assert [(r["system"], r["recompute"], r["seq"], r["gas"]) for r in saved["rows"]] == [
@@ -212,6 +213,32 @@ def test_bench_train_runs_the_trainer_step_and_the_baseline_on_cpu(tmp_path):
     rows = json.loads(path.read_text())["rows"]
     assert rc == 0 and rows[0] == saved["rows"][0], rows
     assert (rows[1]["micro"], rows[1]["seq"], rows[1]["status"]) == (2, 256, "ok"), rows
+
+
+def test_save_results_writes_the_benchmarks_current_file(tmp_path, monkeypatch):
+    """tools/benchutil.save_results: NAME.json and NAME.md, replaced by the next call (one current result per
+    benchmark; git keeps the earlier ones), date, GPU and commit in the meta, both copied to $OUT when it is set."""
+    import json
+    import os
+
+    benchutil = _tool("benchutil")
+    results, out = tmp_path / "results", tmp_path / "out"
+    out.mkdir()
+    monkeypatch.setenv("OUT", str(out))
+    for value in (1, 2):
+        md = benchutil.save_results("bench_x", [{"a": value}], {"note": "n"}, results)
+    assert md == results / "bench_x.md" and sorted(os.listdir(results)) == ["bench_x.json", "bench_x.md"]
+    saved = json.loads((results / "bench_x.json").read_text())
+    assert saved["rows"] == [{"a": 2}] and {"date", "gpu", "commit", "torch", "note"} <= set(saved["meta"])
+    assert md.read_text().startswith(f"# bench_x\n\n- date: {saved['meta']['date']}\n- gpu: ")
+    assert {p.name: p.read_text() for p in out.iterdir()} == {p.name: p.read_text() for p in results.iterdir()}
+
+
+def test_bench_mixers_summary_reads_the_current_results():
+    """tools/bench_mixers.py --summary-only reads tools/results/<op>.json, the ops' current results."""
+    mixers = _tool("bench_mixers")
+    assert min(mixers.interdomain_summary()["Mtoks"]) > 0
+    assert mixers.nats_summary()["ratio"] > 0 and mixers.nats_vs_sdpa()["speedup"] > 0
 
 
 def test_bench_train_mixer_suite_covers_every_mixer_at_4k_and_16k():

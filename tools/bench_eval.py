@@ -6,7 +6,7 @@ Per mixer and length: `eval ppl` forward with the loss (tok/s, batch 1), the pre
 
     python tools/bench_eval.py [--preset 125m] [--lengths 4096 16384] [--mixers S I ...]
 
-Writes tools/results/eval-<date>.{json,md}.
+Writes tools/results/eval.{json,md} (date, GPU and commit in the meta).
 """
 import argparse
 import os

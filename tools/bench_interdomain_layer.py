@@ -8,7 +8,7 @@ content is what the prefill left, also irrelevant to the time). `graphed` replay
 where the capture succeeds (else the row says why). Rows whose KV cache would pass --max-cache-gib are skipped.
 
     python tools/bench_interdomain_layer.py [--contexts 1024 8192 32768 102400] [--batches 1 16]
-Results: tools/results/bench_interdomain_layer-<date>.{json,md} (date, GPU, commit).
+Results: tools/results/bench_interdomain_layer.{json,md} (date, GPU, commit).
 """
 import argparse
 import os

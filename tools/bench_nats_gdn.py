@@ -1,7 +1,7 @@
 """Benchmark chunk-selected Gated DeltaNet (bf16, H200) against flash-linear-attention's chunk_gated_delta_rule.
 
 B*T = 65,536 tokens, H = 8, K = 128, V = 256; kept fraction 0/10/25/50/100 %; T in 4K/16K/64K; forward and
-forward+backward. Usage: python tools/bench_nats_gdn.py  (writes tools/results/nats-gdn-<date>.{json,md}).
+forward+backward. Usage: python tools/bench_nats_gdn.py  (writes tools/results/nats-gdn.{json,md}).
 """
 import sys
 from pathlib import Path

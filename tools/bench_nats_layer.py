@@ -3,7 +3,7 @@ step time after 8K and 128K tokens (eager and as a CUDA graph), bf16, batch 1, o
 
 The selection of an untrained model is a coin flip per chunk; trained NAtS-L layers keep few chunks for
 attention, so the `N` layers here keep a fixed fraction (KEPT, random chunks) to time what a trained model runs.
-Usage: python tools/bench_nats_layer.py  (writes tools/results/nats-layer-<date>.{json,md}).
+Usage: python tools/bench_nats_layer.py  (writes tools/results/nats-layer.{json,md}).
 Training throughput of the presets: tools/bench_train.py with --config natsl-340m (and -n, -g, -s).
 """
 import sys

@@ -18,10 +18,11 @@ uses the bf16 matmul rate measured at the end of the run.
     python tools/bench_train.py --rows tiny:none:2 --seq 128 --tokens 512 --steps 2 --warmup 1   # CPU smoke
     python tools/bench_train.py --rows 125m@I:none:8 --no-baseline --profile 25     # where a row's time goes
     python tools/bench_train.py --suite mixers --no-baseline    # every mixer at 4K and 16K (MIXER_SUITE)
-    python tools/bench_train.py --suite mixers --no-baseline --continue-from tools/results/bench_train-DATE.json
+    python tools/bench_train.py --suite mixers --no-baseline --continue-from tools/results/bench_train.json
+    python tools/bench_train.py --compile false --name bench_train-eager    # the eager table, its own file
 Rows are PRESET[@PATTERN]:RECOMPUTE:MICRO[:SEQ] with RECOMPUTE one of none, selective, selective_mlp, full and
 SEQ the row's context (default --seq); every (preset, SEQ) also gets a baseline row at the micro-batch of its
-first row. Results: tools/results/bench_train-<date>.{json,md}.
+first row. Results: tools/results/NAME.{json,md} (--name, default bench_train; date, GPU and commit in the meta).
 """
 import argparse
 import json
@@ -228,6 +229,9 @@ def parse_args(argv=None):
     parser.add_argument("--budget-s", type=float, default=420.0, help="wall time for all rows; later rows skip")
     parser.add_argument("--row-timeout-s", type=float, default=150.0, help="wall time for one row")
     parser.add_argument("--results-dir", default=None, help="default tools/results")
+    parser.add_argument("--name", default="bench_train",
+                        help="the result's family: writes NAME.json and NAME.md there (bench_train-eager, "
+                             "bench_train-natsl: the eager tables)")
     parser.add_argument("--continue-from", default=None, metavar="JSON",
                         help="an earlier results file: its ok rows are kept, not run again")
     parser.add_argument("--no-baseline", action="store_true", help="megahybrid rows only")
@@ -262,8 +266,8 @@ def main(argv=None) -> int:
         result = run_row(row, _shared_argv(args), timeout) if left > 10 else {**row, "status": "skipped: budget"}
         done.append({column: result.get(column, "") for column in COLUMNS})
         print(format_table([done[-1]]), flush=True)
-        save_results("bench_train", done, _meta(None), args.results_dir)
-    path = save_results("bench_train", done, _meta(_add_measured_mfu(done)), args.results_dir)
+        save_results(args.name, done, _meta(None), args.results_dir)
+    path = save_results(args.name, done, _meta(_add_measured_mfu(done)), args.results_dir)
     print(format_table(done))
     print(f"written {path}")
     return 0 if all(r["status"] == "ok" for r in done) else 1

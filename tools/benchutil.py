@@ -78,19 +78,19 @@ def _fmt(v) -> str:
 
 
 def save_results(name: str, rows: list[dict], extra: dict | None = None, results_dir=None) -> Path:
-    """Write tools/results/<name>-<date>.json and .md (or under results_dir) with date, GPU and commit, return
-    the .md path."""
+    """Write tools/results/<name>.json and .md (or under results_dir), replacing the benchmark's current result
+    (git keeps the earlier ones), with date, GPU and commit in the meta; return the .md path."""
     root = Path(results_dir) if results_dir else RESULTS_DIR
     root.mkdir(parents=True, exist_ok=True)
     date = datetime.date.today().isoformat()
     meta = {"date": date, "gpu": gpu_name(), "commit": git_commit(), "torch": torch.__version__}
     meta.update(extra or {})
-    stem = root / f"{name}-{date}"
-    stem.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    paths = {".json": root / f"{name}.json", ".md": root / f"{name}.md"}
+    paths[".json"].write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     header = "\n".join(f"- {k}: {v}" for k, v in meta.items())
-    stem.with_suffix(".md").write_text(f"# {name}\n\n{header}\n\n```\n{format_table(rows)}\n```\n")
+    paths[".md"].write_text(f"# {name}\n\n{header}\n\n```\n{format_table(rows)}\n```\n")
     out_dir = os.environ.get("OUT")
     if out_dir:
-        for suffix in (".json", ".md"):
-            Path(out_dir, stem.name + suffix).write_text(stem.with_suffix(suffix).read_text())
-    return stem.with_suffix(".md")
+        for path in paths.values():
+            Path(out_dir, path.name).write_text(path.read_text())
+    return paths[".md"]
