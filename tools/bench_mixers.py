@@ -1,7 +1,7 @@
 """All mixer-op benchmarks in one GPU call, then the targets of issues 3 and 4 from their results.
 
 Runs tools/bench_interdomain.py, bench_nats_gdn.py and bench_nats_attention.py in turn (each writes
-tools/results/<op>-<date>.{json,md}), then reads the results and reports the Interdomain targets and, at T = 4K
+tools/results/<op>.{json,md}), then reads the results and reports the Interdomain targets and, at T = 4K
 with 25 % attention chunks, (selected GDN + selected attention) fwd+bwd over GDN alone (our selected GDN with 0 %
 kept chunks, since fla's gated backward is refused on Hopper with Triton 3.6).
 
@@ -27,10 +27,10 @@ ID_MTOKS_TARGET, ID_FLAT_TARGET, ID_SDPA_T, ID_SDPA_SPEEDUP = 10.0, 0.15, 8192, 
 
 
 def latest_rows(name: str) -> list[dict]:
-    files = sorted(p for p in (TOOLS / "results").glob(f"{name}-20*.json") if p.stem[len(name) + 1:].count("-") == 2)
-    if not files:
+    path = TOOLS / "results" / f"{name}.json"
+    if not path.is_file():
         raise SystemExit(f"no results for {name} in tools/results; run without --summary-only on a GPU")
-    return json.loads(files[-1].read_text())["rows"]
+    return json.loads(path.read_text())["rows"]
 
 
 def nats_summary(T: int = 4096, kept: float = 0.25) -> dict:

@@ -333,11 +333,11 @@ def _bwd_a(q_ptr, k_ptr, v_ptr, do_ptr, ub_ptr, gb_ptr, b_ptr, pw_ptr, a_ptr, da
     lr = tl.sum(wj * (gr * par + gi * pai + ar * pgr + ai * pgi), 0)
     li = tl.sum(wj * (gi * par - gr * pai + ai * pgr - ar * pgi), 0)
     # (storing the dO side's four [C, M] tiles and reading them back after the q side cut the spills from 292 to
-    # 184 B but saved only 0.03 of 2.47 ms for a [B, T, H, 2, M] scratch buffer: interdomain-sweep-plans-2026-11-30)
+    # 184 B but saved only 0.03 of 2.47 ms for a [B, T, H, 2, M] scratch buffer: interdomain-sweep-plans)
     # lag sums c[n, m] = sum_t A[t, t-n] da_t + Ag[t, t-n] a_t (A = Q K^T, Ag = dO V^T): D^T da + Dg^T a with the
     # sheared D, Dg of the readouts. Transposing them (a gather result, not a dot result: the Hopper miscompile of
     # flash-linear-attention issue 640 is tl.trans of a tl.dot) replaced a second, transposed Q K^T and dO V^T
-    # product: bwd_a 2.56 against 3.66 ms on the H200 (interdomain-sweep-2026-11-30.md), spills 310 against 488 B
+    # product: bwd_a 2.56 against 3.66 ms on the H200 (interdomain-sweep.md), spills 310 against 488 B
     sh = tl.trans(shq)
     shg = tl.trans(shd)
     cr = tl.dot(sh, gr.to(DT), input_precision=PREC) + tl.dot(shg, ar.to(DT), input_precision=PREC)
@@ -430,9 +430,9 @@ def _bwd_part_kernel(q_ptr, k_ptr, v_ptr, do_ptr, a_ptr, da_ptr, ub_ptr, gb_ptr,
     """One gradient per launch: dq (PART 1), dk (2) or dv (4); the dk and dv launches each write their (additive)
     share of the state parameter-gradient partials. One kernel for all three held every tile at once and spilled:
     the three launches took 8.3 ms of backward against 10.5 ms (H200, T = 2K, M = 32,
-    tools/results/interdomain-2026-11-30-6fcc793.md). The dk / dv launches spill (138 B); taking the state sums
+    f1e3960:tools/results/interdomain-2026-11-30-6fcc793.md). The dk / dv launches spill (138 B); taking the state sums
     <S, U_c> in a loop of their own spilled more (154 B) and ran slower, 1.41 against 1.33 ms
-    (interdomain-sweep-plans-2026-11-30.md)."""
+    (interdomain-sweep-plans.md)."""
     # its own preamble, not _chunk_program's: the chunk length L comes first, as in the build measured on the H200
     ic, i_bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
     i_b, i_h = i_bh // H, i_bh % H

@@ -18,7 +18,7 @@ class InterdomainPlan:
     `interdomain_attention(plan=...)` to sweep them; nothing here changes what the op computes).
 
     warps_*: 4 everywhere. 8 warps measured slower for the whole op (17.1 vs 14.3 ms at 8K,
-    interdomain-v2-2026-11-30.md) and for every kernel alone (interdomain-sweep-2026-11-30.md: fwd 1.92 vs 1.13 ms,
+    f1e3960:tools/results/interdomain-v2-2026-11-30.md) and for every kernel alone (interdomain-sweep.md: fwd 1.92 vs 1.13 ms,
     bwd_a 4.77 vs 2.56, dq / dk / dv 1.14 / 1.91 / 1.91 vs 0.62 / 1.32 / 1.32); capping registers at 128 or 168 per
     thread spilled more (22.4, 18.1 ms).
 
@@ -28,7 +28,7 @@ class InterdomainPlan:
     0.686 plain, 0.194 / 0.838 hoisted: hoisting lost only on 1024-chunk loops, which segmented scans no longer run.
 
     gpu_min_tile: smallest (mode, feature) tiles of the readout kernels on the GPU. Triton 3.6 on sm_90 builds the
-    dq, dk and dv kernels with 32-wide feature tiles wrongly (tools/results/interdomain-tile-probe-2026-11-30.md:
+    dq, dk and dv kernels with 32-wide feature tiles wrongly (tools/results/interdomain-tile-probe.md:
     relative RMS 1.2-4.7 against 64-wide tiles; illegal addresses in earlier builds), so features pad (masked) to 64.
     32-mode tiles run correctly in every kernel but the plain forward (relative RMS 3.6; an illegal address on Triton
     3.5.1) and save registers at M = 32: bwd_a 0.023 against 0.032 ms, dk 0.016 / 0.022, dv 0.016 / 0.022, dq
@@ -44,7 +44,7 @@ class InterdomainPlan:
     tile) rows and more than scan_segment_above chunks run in segments of scan_segment chunks (0: never). Measured
     at B*T = 64K, H = 16, D = 128, M = 32: one const / per-token reverse scan at 64K tokens per row 0.81 / 0.86 ms
     unsegmented, 0.36 / 0.47 in segments of 32 (0.20 for the backward's const scans from the forward's starts); at
-    8K unsegmented with narrower tiles 0.26 / 0.37 against 0.33 / 0.45 (interdomain-scan-sweep-2026-11-30.md). The
+    8K unsegmented with narrower tiles 0.26 / 0.37 against 0.33 / 0.45 (interdomain-scan-sweep.md). The
     whole op forward+backward, segmenting above 64 / 128 / 256 / 512 chunks: 8K 6.39 / 6.22 / 6.22 / 6.22 ms, 16K
     6.40 / 6.40 / 6.77 / 6.78, 32K 6.43 / 6.43 / 6.43 / 7.30.
 
