@@ -307,8 +307,9 @@ def test_bad_inputs_one_line_exit_2(results):
 
 
 def test_results_summary_keeps_going_on_any_json(tmp_path):
-    """tools/summarize_results.py over the shipped results plus odd files: every base family gets rows, a file it
-    cannot read gets one line, an eval record gets its curve."""
+    """tools/summarize_results.py over the shipped results plus odd files: every base family (the file's stem)
+    gets rows with the date from its meta, a file it cannot read gets one line, an eval record gets its curve,
+    other files are listed; --check refuses a result named with a date (one current file per benchmark)."""
     import importlib.util
     import shutil
 
@@ -320,18 +321,24 @@ def test_results_summary_keeps_going_on_any_json(tmp_path):
     for name in os.listdir(os.path.join(root, "tools", "results")):
         if name.endswith(".json"):
             shutil.copy(os.path.join(root, "tools", "results", name), tmp_path / name)
-    (tmp_path / "broken-2026-12-01.json").write_text("{not json")
-    (tmp_path / "alist-2026-12-01.json").write_text("[1, 2]")
+    (tmp_path / "broken.json").write_text("{not json")
+    (tmp_path / "alist.json").write_text("[1, 2]")
     ppl = {"meta": {"date": "2026-12-01", "commit": "abc1234", "device": "cpu"}, "results": [{"label": "run (S)",
            "train_length": 128, "buckets": [{"bucket": "<=64", "ppl": 12.5}, {"bucket": "64-128", "ppl": 11.0}]}]}
-    (tmp_path / "ppl-2026-12-01.json").write_text(json.dumps(ppl))
-    assert summary.family_of("interdomain-2026-11-30-plans-60b4f46") == ("interdomain-plans", "2026-11-30")
+    (tmp_path / "ppl.json").write_text(json.dumps(ppl))
+    (tmp_path / "ppl.md").write_text("# ppl\n")
+    (tmp_path / "notes.log").write_text("# a raw log\n")
     assert summary.main(["--results", str(tmp_path)]) == 0
     text = (tmp_path / "README.md").read_text()
-    assert "| ppl run (S) | <=64: 12.50, 64-128: 11.00 | trained at 128 |" in text
+    assert "| ppl run (S) | <=64: 12.50, 64-128: 11.00 | trained at 128 | 2026-12-01 | cpu | abc1234 |" in text
     assert "broken | - | unreadable (JSONDecodeError)" in text and "alist | - | not a {meta, rows} record" in text
     assert "tok/s, MFU" in text and "NAtS attention T=4096" in text and "interdomain C=64 T=16384 M=32" in text
+    assert "Notes and raw logs (no JSON beside them): [notes.log](notes.log)." in text  # not ppl.md
     assert summary.main(["--results", str(tmp_path), "--check"]) == 0
+    (tmp_path / "ppl-2026-12-02.json").write_text(json.dumps(ppl))
+    assert summary.main(["--results", str(tmp_path)]) == 0
+    assert "[ppl-2026-12-02.json](ppl-2026-12-02.json)" in (tmp_path / "README.md").read_text()
+    assert summary.main(["--results", str(tmp_path), "--check"]) == 1
 
 
 def _gpu_body(rank, world):

@@ -1,45 +1,26 @@
-"""Regenerate tools/results/README.md: one table of the latest measured numbers (what, value, anchor, date, GPU,
+"""Regenerate tools/results/README.md: one table of the current measured numbers (what, value, anchor, date, GPU,
 commit) from the JSON results in tools/results/.
 
     python tools/summarize_results.py [--results DIR] [--check]
 
-A result file is {"meta": {date, gpu, commit, ...}, "rows": [...]} (the benchmarks), or {"meta", "results"}
-(`megahybrid eval ppl`). Files named FAMILY-YYYY-MM-DD[-TAG][-COMMIT].json form families; the latest file of
-each family is summarized (by date, then by its commit's time in git, then by file time). A headline rule is
-chosen by the columns a file's rows have; a file no rule fits, or one that is not valid JSON, gets one line
-saying so instead of stopping the script. --check exits 1 when README.md is out of date.
+One current result per benchmark: FAMILY.json (with FAMILY.md beside it), which the tool that measures it
+overwrites; git keeps the earlier ones. A result file is {"meta": {date, gpu, commit, ...}, "rows": [...]} (the
+benchmarks), {"meta", "results"} (`megahybrid eval ppl`) or {"meta", "models"} (tools/repro_small.py); the date,
+GPU and commit come from its meta. A headline rule is chosen by the columns a file's rows have; a file no rule
+fits, or one that is not valid JSON, gets one line saying so instead of stopping the script. The other files
+(notes, raw logs) are listed under the table. --check exits 1 when README.md is out of date or a JSON result is
+named with a date (FAMILY-YYYY-MM-DD...: a snapshot, not the current file).
 """
 import argparse
 import json
 import math
 import os
 import re
-import subprocess
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-NAME = re.compile(r"^(?P<family>.+?)-(?P<date>\d{4}-\d{2}-\d{2})(?:-(?P<tag>.+))?$")
-COMMIT = re.compile(r"^(.*?)-?([0-9a-f]{7,40}(?:\+\S+)?)$")
+DATED = re.compile(r"-\d{4}-\d{2}-\d{2}(-|$)")
 HEADLINE_T = (4096, 16384)
-
-
-def family_of(stem: str) -> tuple[str, str]:
-    """("interdomain-plans", "2026-11-30") from "interdomain-2026-11-30-plans-60b4f46"."""
-    match = NAME.match(stem)
-    if not match:
-        return stem, ""
-    tag = match.group("tag") or ""
-    commit = COMMIT.match(tag)
-    tag = commit.group(1) if commit else tag
-    return match.group("family") + (f"-{tag}" if tag else ""), match.group("date")
-
-
-def commit_time(commit: str) -> int:
-    sha = re.split(r"[^0-9a-f]", commit or "")[0]
-    if not sha:
-        return 0
-    out = subprocess.run(["git", "-C", HERE, "show", "-s", "--format=%ct", sha], capture_output=True, text=True)
-    return int(out.stdout.strip()) if out.returncode == 0 and out.stdout.strip().isdigit() else 0
 
 
 def load(path: str):
@@ -50,20 +31,21 @@ def load(path: str):
         return {"error": f"unreadable ({type(err).__name__})"}
 
 
-def latest_files(results_dir: str) -> dict[str, tuple[str, dict]]:
-    """family -> (file name, content) of its latest file."""
-    best = {}
-    for name in sorted(os.listdir(results_dir)):
-        if not name.endswith(".json"):
-            continue
-        path = os.path.join(results_dir, name)
-        data = load(path)
-        meta = _meta(data)
-        family, date = family_of(name[:-5])
-        key = (str(meta.get("date", date)), commit_time(str(meta.get("commit", ""))), os.path.getmtime(path))
-        if family not in best or key > best[family][0]:
-            best[family] = (key, name, data)
-    return {family: (name, data) for family, (_, name, data) in sorted(best.items())}
+def current_files(results_dir: str) -> dict[str, tuple[str, dict]]:
+    """family -> (file name, content): FAMILY.json, one file per family."""
+    return {name[:-5]: (name, load(os.path.join(results_dir, name)))
+            for name in sorted(os.listdir(results_dir)) if name.endswith(".json")}
+
+
+def dated(results_dir: str) -> list[str]:
+    """The JSON results named with a date: snapshots against the one-current-file rule."""
+    return [name for name in sorted(os.listdir(results_dir)) if name.endswith(".json") and DATED.search(name[:-5])]
+
+
+def other_files(results_dir: str, families) -> list[str]:
+    """Files that are neither a JSON result, a file named after one (its .md, .png) nor the index."""
+    return [name for name in sorted(os.listdir(results_dir))
+            if name != "README.md" and os.path.splitext(name)[0] not in families]
 
 
 def _num(value, spec: str = ".3g") -> str:
@@ -145,6 +127,15 @@ def _ppl_lines(data):
         yield (f"ppl {result.get('label')}", curve or "-", f"trained at {result.get('train_length')}")
 
 
+def _model_lines(data):
+    meta = _meta(data)
+    for label, model in data["models"].items():
+        train, buckets = model.get("train", {}), model.get("ppl_buckets") or [{}]
+        yield (f"{meta.get('config', 'model')} {label} (`{model.get('pattern')}`) valid ppl",
+               f"{_num(train.get('valid_ppl'), '.2f')} (positions {buckets[-1].get('bucket', '-')}: "
+               f"{_num(buckets[-1].get('ppl'), '.2f')})", f"trained at {meta.get('train_length', '-')}")
+
+
 def headlines(name: str, data) -> list[tuple[str, str, str]]:
     if not isinstance(data, dict):
         return [(name, "-", "not a {meta, rows} record")]
@@ -153,6 +144,11 @@ def headlines(name: str, data) -> list[tuple[str, str, str]]:
     meta = _meta(data)
     if isinstance(data.get("results"), list):
         return list(_ppl_lines(data))
+    if isinstance(data.get("models"), dict):
+        try:
+            return list(_model_lines(data)) or [(name, "-", "no models")]
+        except (AttributeError, TypeError, ValueError) as err:
+            return [(name, "-", f"models record not read ({type(err).__name__}: {err})")]
     rows = [r for r in data.get("rows", []) if isinstance(r, dict)] if isinstance(data.get("rows"), list) else []
     for columns, rule in RULES:
         if rows and columns <= set(rows[0]):
@@ -165,13 +161,16 @@ def headlines(name: str, data) -> list[tuple[str, str, str]]:
 
 def render(results_dir: str) -> str:
     lines = ["# Measured results", "",
-             "The latest file of each result family, one headline row per setting (4K and 16K tokens where the file "
-             "has lengths). Regenerate with `python tools/summarize_results.py` after adding a JSON result; every "
-             "number links to its file, which has the full table and the settings.", "",
+             "The current result of each benchmark (one file per family, overwritten by the tool that measures it; "
+             "git keeps the earlier ones), one headline row per setting (4K and 16K tokens where the file has "
+             "lengths). Regenerate with `python tools/summarize_results.py` after a tool writes a result; every "
+             "number links to its file, which has the full table and the settings. Earlier results are in git: "
+             "`git log --follow tools/results/FAMILY.json`; a reference `REV:tools/results/NAME` in a README or a "
+             "docstring is such a file (`git show REV:tools/results/NAME`).", "",
              "| what | value | anchor | date | GPU | commit | file |", "| --- | --- | --- | --- | --- | --- | --- |"]
-    latest = latest_files(results_dir)
-    variants = [f for f in latest if any(f.startswith(base + "-") for base in latest if base != f)]
-    for family, (name, data) in latest.items():
+    current = current_files(results_dir)
+    variants = [f for f in current if any(f.startswith(base + "-") for base in current if base != f)]
+    for family, (name, data) in current.items():
         if family in variants:
             continue
         meta = _meta(data)
@@ -180,9 +179,13 @@ def render(results_dir: str) -> str:
                      str(meta.get("commit", "-")), f"[{name}]({name})"]
             lines.append("| " + " | ".join(c.replace("|", "/") for c in cells) + " |")
     if variants:
-        listed = ", ".join(f"[{latest[f][0]}]({latest[f][0]}) ({_meta(latest[f][1]).get('commit', '-')})"
-                           for f in variants)
-        lines += ["", f"Variants, baselines and tuning sweeps of the families above (latest file each): {listed}."]
+        listed = ", ".join(f"[{current[f][0]}]({current[f][0]}) ({_meta(current[f][1]).get('date', '-')}, "
+                           f"{_meta(current[f][1]).get('commit', '-')})" for f in variants)
+        lines += ["", f"Variants, tuning sweeps and probes of the families above: {listed}."]
+    others = other_files(results_dir, current)
+    if others:
+        lines += ["", "Notes and raw logs (no JSON beside them): "
+                  + ", ".join(f"[{name}]({name})" for name in others) + "."]
     return "\n".join(lines) + "\n"
 
 
@@ -193,13 +196,18 @@ def _meta(data) -> dict:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--results", default=os.path.join(HERE, "results"))
-    parser.add_argument("--check", action="store_true", help="exit 1 when README.md differs from a regeneration")
+    parser.add_argument("--check", action="store_true",
+                        help="exit 1 when README.md differs from a regeneration or a JSON result is named with a date")
     args = parser.parse_args(argv)
     text, path = render(args.results), os.path.join(args.results, "README.md")
     if args.check:
         current = open(path).read() if os.path.isfile(path) else ""
+        snapshots = dated(args.results)
+        if snapshots:
+            print(f"named with a date (one current FAMILY.json per benchmark; git keeps the history): "
+                  f"{', '.join(snapshots)}")
         print("up to date" if current == text else f"{path} is out of date: run python tools/summarize_results.py")
-        return 0 if current == text else 1
+        return 0 if current == text and not snapshots else 1
     with open(path, "w") as f:
         f.write(text)
     print(f"wrote {path}")
