@@ -34,7 +34,7 @@ def test_bench_cp_stand_in_runs_the_cp_code_on_cpu(tmp_path):
     code, restored, cp_group_fn, sizes = run_on_ranks(_bench, 1, str(tmp_path), env={"TRITON_INTERPRET": "0"})[0]
     assert code == 0 and restored and cp_group_fn == "layer_cp_group"
     assert sizes == [2, 4], sizes  # N's attention gathered over stand-in groups of 2 and 4 ranks
-    rows = json.loads(next(tmp_path.glob("bench_cp-*.json")).read_text())["rows"]
+    rows = json.loads((tmp_path / "bench_cp.json").read_text())["rows"]
     assert [(r["model"], r["cp"]) for r in rows] == [("tiny@I", 2), ("tiny@I", 4), ("tiny@GN", 2), ("tiny@GN", 4)]
     assert all(r["loss"] == "finite" and r["MiB_sent"] > 0 and r["rank_ms"] > 0 for r in rows), rows
 
@@ -52,6 +52,6 @@ def test_bench_cp_scaling_runs_the_train_command_at_cp1_cp2_tp2_on_cpu(tmp_path,
 
     code = bench_cp_scaling.main(["--models", "tiny@GN", "--seq", "128", "--steps", "1", "--warmup", "1",
                                   "--check-steps", "2", "--results-dir", str(tmp_path)])
-    (row,) = json.loads(next(tmp_path.glob("bench_cp_scaling-*.json")).read_text())["rows"]
+    (row,) = json.loads((tmp_path / "bench_cp_scaling.json").read_text())["rows"]
     assert code == 0 and row["status"] == "ok" and row["check"] == "ok", row
     assert row["max_loss_gap"] <= 1e-4 and all(row[k] > 0 for k in ("cp1_ms", "cp2_ms@2S", "tp2_ms@2S")), row
