@@ -2,7 +2,8 @@
 same tokens with one recipe (megahybrid/configs/repro-small.yaml), then `megahybrid eval ppl` (position buckets to
 4x the training context, on the validation split) and `megahybrid eval recall` on each: MQAR and needle accuracy
 of a fresh model of each architecture trained on MQAR for --mqar-steps (the usual MQAR protocol; 0: zero-shot on
-the language models, where a ~20M model scores ~0 and the comparison says nothing); writes RESULTS.json and RESULTS.md (default tools/results/repro-small) with date, GPU and commit.
+the language models, where a ~20M model scores ~0 and the comparison says nothing); writes RESULTS.json and
+RESULTS.md (default tools/results/repro-small) with date, GPU and commit.
 
 DATA_DIR holds what tools/prepare_wikipedia.py writes: tokenizer.model, train_text_document.{bin,idx} and
 valid_text_document.{bin,idx}. A token budget larger than the training split repeats it (epochs are reported).
@@ -11,9 +12,10 @@ The files for one GPU call (they must travel with the checkout, 64 MiB in all; 2
         --splits train,valid
 
 Usage: python tools/repro_small.py --data-dir data/wikipedia-en --tokens 25000000 [--models S,D,I,G,H]
-       [--parallel N] [--run-root DIR] [--results PATH] [--deadline-s S] [--mqar-steps N] [key=value ...]   (overrides for every
-       training run). With --deadline-s the training stops in time (checkpoints saved, exit 3) and the same command
-       continues it, so a budget longer than one device call runs over several calls on a warm machine.
+       [--parallel N] [--run-root DIR] [--results PATH] [--deadline-s S] [--mqar-steps N] [key=value ...]
+       (overrides for every training run). With --deadline-s the training stops in time (checkpoints saved, exit 3)
+       and the same command continues it, so a budget longer than one device call runs over several calls on a
+       warm machine.
 """
 import argparse
 import json
@@ -199,8 +201,8 @@ def markdown(result: dict) -> str:
              f"Config `{meta['config']}`, data `{meta['data']}`, {meta['tokens_requested']:,} tokens per model "
              f"({meta['epochs']:.2f} epochs of {meta['train_tokens_available']:,} training tokens), trained at "
              f"{meta['train_length']}; perplexity on the validation split by position bucket (past "
-             f"{meta['train_length']}: extrapolation); MQAR / needle ({_recall_source(meta)}; MQAR length/keys). H is the "
-             "NAtS-L Hybrid.",
+             f"{meta['train_length']}: extrapolation); MQAR / needle ({_recall_source(meta)}; MQAR length/keys). "
+             "H is the NAtS-L Hybrid.",
              "",
              "| model | pattern | params | tok/s | valid ppl | " + " | ".join(f"ppl {b}" for b in buckets)
              + " | " + " | ".join(f"MQAR {n}/{k}" for n, k in mqar) + " | NIAH mean |",

@@ -18,9 +18,9 @@ class InterdomainPlan:
     `interdomain_attention(plan=...)` to sweep them; nothing here changes what the op computes).
 
     warps_*: 4 everywhere. 8 warps measured slower for the whole op (17.1 vs 14.3 ms at 8K,
-    f1e3960:tools/results/interdomain-v2-2026-11-30.md) and for every kernel alone (interdomain-sweep.md: fwd 1.92 vs 1.13 ms,
-    bwd_a 4.77 vs 2.56, dq / dk / dv 1.14 / 1.91 / 1.91 vs 0.62 / 1.32 / 1.32); capping registers at 128 or 168 per
-    thread spilled more (22.4, 18.1 ms).
+    f1e3960:tools/results/interdomain-v2-2026-11-30.md) and for every kernel alone (interdomain-sweep.md: fwd 1.92
+    vs 1.13 ms, bwd_a 4.77 vs 2.56, dq / dk / dv 1.14 / 1.91 / 1.91 vs 0.62 / 1.32 / 1.32); capping registers at
+    128 or 168 per thread spilled more (22.4, 18.1 ms).
 
     hoist_const, hoist_per_token: scans with the full-chunk decay tables hoisted out of the chunk loop and the next
     chunk's features (and per-token coefficients) loaded one chunk ahead. Measured (ms per scan, M = 32, T = 2K /

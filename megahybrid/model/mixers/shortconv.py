@@ -1,9 +1,9 @@
 """The causal depthwise short convolution in front of the recurrent mixers (`I`, `D`, `N`, `G`).
 
 Written as K shifted multiply-adds rather than `F.conv1d(groups=C)`: on the H200 cuDNN's depthwise conv backward
-took 1.4 ms per layer call at 8 x 4096 tokens (10% of a 125M `I` training step, f1e3960:tools/results/bench_train-2026-12-01.md),
-while the shifted form is elementwise work that torch.compile fuses into the neighbouring kernels, forward and
-backward. Products and sums are fp32, as the conv's accumulator was.
+took 1.4 ms per layer call at 8 x 4096 tokens (10% of a 125M `I` training step,
+f1e3960:tools/results/bench_train-2026-12-01.md), while the shifted form is elementwise work that torch.compile
+fuses into the neighbouring kernels, forward and backward. Products and sums are fp32, as the conv's accumulator was.
 """
 import torch
 
