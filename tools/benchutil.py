@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from megahybrid.eval.loading import git_commit
+from megahybrid.outputs import git_commit
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 

@@ -171,7 +171,7 @@ def evaluate(labels: list, files: dict, run_root: str, seq: int, mqar_steps: int
 def record(labels: list, files: dict, tokens: int, run_root: str, evals: dict) -> dict:
     import torch
 
-    from megahybrid.eval.loading import git_commit
+    from megahybrid.outputs import git_commit
     from megahybrid.model.config import count_parameters, preset
     from megahybrid.train.config import load_config
 

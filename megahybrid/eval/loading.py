@@ -1,7 +1,6 @@
 """A saved model (any layout or format) as a tp = 1 GPTModel in eval mode, with its tokenizer."""
 import json
 import os
-import subprocess
 from dataclasses import dataclass
 
 import torch
@@ -88,13 +87,3 @@ def _latest(path: str) -> str:
         with open(latest) as f:
             return f.read().strip()
     return ""
-
-
-def git_commit() -> str:
-    """The short commit of the code that ran, for the results' records: MEGAHYBRID_COMMIT where set (a copy of the
-    working tree on a device machine may carry an older .git), else HEAD ("unknown" outside a checkout)."""
-    if os.environ.get("MEGAHYBRID_COMMIT"):
-        return os.environ["MEGAHYBRID_COMMIT"]
-    here = os.path.dirname(os.path.abspath(__file__))
-    out = subprocess.run(["git", "-C", here, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
-    return out.stdout.strip() if out.returncode == 0 else "unknown"

@@ -16,7 +16,8 @@ import torch
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 
 from megahybrid.errors import UserError
-from megahybrid.eval.loading import git_commit, load
+from megahybrid.eval.loading import load
+from megahybrid.outputs import git_commit
 
 DEFAULT_WINDOWS = 8
 UNITS = {"": 1, "K": 1024, "M": 1024 * 1024}

@@ -16,7 +16,8 @@ import numpy as np
 import torch
 
 from megahybrid.errors import UserError
-from megahybrid.eval.loading import fresh, git_commit, load
+from megahybrid.eval.loading import fresh, load
+from megahybrid.outputs import git_commit
 from megahybrid.eval.ppl import parse_lengths
 from megahybrid.model.config import preset
 from megahybrid.model.decode import full_logits
