@@ -97,10 +97,12 @@ def readout_p_grad(araw: torch.Tensor, dar: torch.Tensor) -> torch.Tensor:
 @torch.library.custom_op("megahybrid::interdomain_fwd", mutates_args=())
 def interdomain_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, decay: torch.Tensor, b: torch.Tensor,
                        u0: torch.Tensor | None, g0: torch.Tensor | None, p: torch.Tensor | None, chunk_size: int,
-                       plan_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                       plan_id: int, check_values: bool = True
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """interdomain_fwd on contiguous inputs: o, the final U and G, and the scans' segment start states (empty
     unsegmented), which the backward takes back."""
-    check_decay(decay)
+    if check_values:
+        check_decay(decay)
     o, uf, gf, (su, sg) = interdomain_fwd(q, k, v, decay, b, u0, g0, chunk_size, p, PLANS[plan_id])
     return o, uf, gf, absent(q) if su is None else su, absent(q) if sg is None else sg
 
@@ -113,7 +115,7 @@ def _starts_shape(z, b, chunk_size, plan):
 
 
 @interdomain_fwd_op.register_fake
-def _(q, k, v, decay, b, u0, g0, p, chunk_size, plan_id):
+def _(q, k, v, decay, b, u0, g0, p, chunk_size, plan_id, check_values=True):
     B, T, H, K = q.shape
     M, V, plan = b.shape[1], v.shape[-1], PLANS[plan_id]
     f32 = dict(dtype=torch.float32)
@@ -141,7 +143,7 @@ def _(q, k, v, decay, b, u0, g0, p, su, sg, do, duf, dgf, chunk_size, plan_id):
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, decay, b, u0, g0, p, chunk_size, plan_id = inputs
+    q, k, v, decay, b, u0, g0, p, chunk_size, plan_id, *_ = inputs
     ctx.save_for_backward(q, k, v, decay, b, u0, g0, p, output[3], output[4])
     ctx.chunk_size, ctx.plan_id = chunk_size, plan_id
 
@@ -151,7 +153,7 @@ def _backward(ctx, do, duf, dgf, _dsu, _dsg):
     dq, dk, dv, ddecay, db, du0, dg0, dp = interdomain_bwd_op(
         q, k, v, decay, b, u0, g0, p, su, sg, do.contiguous(), _opt(duf), _opt(dgf), ctx.chunk_size, ctx.plan_id)
     return (dq, dk, dv, ddecay, db, du0 if u0 is not None else None, dg0 if g0 is not None else None,
-            dp if p is not None else None, None, None)
+            dp if p is not None else None, None, None, None)
 
 
 interdomain_fwd_op.register_autograd(_backward, setup_context=_setup_context)
@@ -162,14 +164,15 @@ def _opt(t):
 
 
 @torch.compiler.disable
-def _torch_path(q, k, v, decay, b, u0, g0, chunk_size, readout):
+def _torch_path(q, k, v, decay, b, u0, g0, chunk_size, readout, check_values):
     """The chunked torch path, eager inside a compiled model (complex tensors; inductor would gain nothing)."""
-    check_decay(decay)
+    if check_values:
+        check_decay(decay)
     return interdomain_torch(q, k, v, decay, b, u0, g0, chunk_size, readout)
 
 
 def interdomain_attention(q, k, v, decay, b, initial_state=None, output_final_state=False, normalize=False,
-                          chunk_size=64, readout=None, plan: InterdomainPlan | None = None):
+                          chunk_size=64, readout=None, plan: InterdomainPlan | None = None, check_values=True):
     """Interdomain Attention (see kernels/interdomain/README.md for the definition).
 
     Args:
@@ -182,6 +185,9 @@ def interdomain_attention(q, k, v, decay, b, initial_state=None, output_final_st
             is the identity. The Triton kernels carry C (a P per token, P = C^T conj(C)); with the normalized
             readout a C on the GPU runs the chunked torch path (torch_chunk.py) instead (InterdomainPlan says why).
         plan: the kernels' tuning knobs (None: DEFAULT_PLAN, as measured); results do not depend on it.
+        check_values: check decay's values (log|lambda| <= 0, else ValueError). On a GPU reading a new tensor's
+            values syncs the host, so a caller whose decay is <= 0 by construction (the `I` layer's -exp(.) real
+            part) passes False; shapes and dtypes are always checked.
     Returns:
         o [B, T, H, V] in v's dtype and the final state (same layout as initial_state) or None.
     On CPU tensors the op runs the chunked torch path unless TRITON_INTERPRET=1 (which runs the Triton kernels in
@@ -201,10 +207,11 @@ def interdomain_attention(q, k, v, decay, b, initial_state=None, output_final_st
         u0 = initial_state[0].transpose(2, 3).contiguous()
         g0 = initial_state[1].transpose(2, 3).contiguous()
     if uses_torch_path(q, readout, normalize, plan):
-        o, uf, gf = _torch_path(q, k, v, decay, b, u0, g0, chunk_size, readout)
+        o, uf, gf = _torch_path(q, k, v, decay, b, u0, g0, chunk_size, readout, check_values)
     else:
         o, uf, gf, _, _ = interdomain_fwd_op(q.contiguous(), k.contiguous(), v.contiguous(), decay.contiguous(),
-                                             b.contiguous(), u0, g0, readout_p(readout), chunk_size, plan.plan_id)
+                                             b.contiguous(), u0, g0, readout_p(readout), chunk_size, plan.plan_id,
+                                             check_values)
     state = (uf.transpose(2, 3).contiguous(), gf.transpose(2, 3).contiguous()) if output_final_state else None
     if normalize:
         den = o[..., V:].float()

@@ -443,14 +443,16 @@ def chunk_selected_attention_bwd(
 # graph with the op an opaque node in it (torch.compiler.disable broke the graph once per frame on the stack).
 @torch.library.custom_op("megahybrid::selected_attention_fwd", mutates_args=())
 def selected_attention_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor, scale: float,
-                              chunk_size: int, grad_unselected: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                              chunk_size: int, grad_unselected: bool, check_values: bool = True
+                              ) -> tuple[torch.Tensor, torch.Tensor]:
     """o and the log-sum-exp per query row, on contiguous q, k, v (grad_unselected: for the backward)."""
-    check_keep_values(keep, "chunk_selected_attention")
+    if check_values:
+        check_keep_values(keep, "chunk_selected_attention")
     return chunk_selected_attention_fwd(q, k, v, keep, scale, chunk_size)
 
 
 @selected_attention_fwd_op.register_fake
-def _(q, k, v, keep, scale, chunk_size, grad_unselected):
+def _(q, k, v, keep, scale, chunk_size, grad_unselected, check_values=True):
     B, T, H, _ = q.shape
     return q.new_empty(B, T, H, v.shape[-1]), q.new_empty(B, H, T, dtype=torch.float32)
 
@@ -470,7 +472,7 @@ def _(q, k, v, o, lse, do, keep, scale, chunk_size, grad_unselected):
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, keep, scale, chunk_size, grad_unselected = inputs
+    q, k, v, keep, scale, chunk_size, grad_unselected, *_ = inputs
     ctx.save_for_backward(q, k, v, output[0], output[1], keep)
     ctx.scale, ctx.chunk_size, ctx.grad_unselected = scale, chunk_size, grad_unselected
 
@@ -479,7 +481,7 @@ def _backward(ctx, do, _dlse):
     q, k, v, o, lse, keep = ctx.saved_tensors
     grads = selected_attention_bwd_op(q, k, v, o, lse, do.contiguous(), keep, ctx.scale, ctx.chunk_size,
                                       ctx.grad_unselected)
-    return *grads, None, None, None
+    return *grads, None, None, None, None
 
 
 selected_attention_fwd_op.register_autograd(_backward, setup_context=_setup_context)
@@ -508,9 +510,10 @@ def _check_inputs(q, k, v, keep, chunk_size):
 
 
 @torch.compiler.disable
-def _torch_path(q, k, v, keep, scale, chunk_size, grad_unselected):
+def _torch_path(q, k, v, keep, scale, chunk_size, grad_unselected, check_values):
     """The torch path, eager inside a compiled model as before (CPU only)."""
-    check_keep_values(keep, "chunk_selected_attention")
+    if check_values:
+        check_keep_values(keep, "chunk_selected_attention")
     return torch_chunk_selected_attention(q, k, v, keep, scale, chunk_size, grad_unselected)
 
 
@@ -522,6 +525,7 @@ def chunk_selected_attention(
     scale: float | None = None,
     chunk_size: int = 64,
     grad_unselected: bool = False,
+    check_values: bool = True,
 ) -> torch.Tensor:
     """Causal softmax attention where a query in chunk c sees its own chunk causally and the earlier chunks
     whose keep = 1 for its head.
@@ -533,6 +537,8 @@ def chunk_selected_attention(
         scale: default 1/sqrt(Dk).
         chunk_size: 16, 32, 64 or 128 (also the kernels' block size).
         grad_unselected: also compute d(keep) for chunks with keep = 0 (visits them in the backward).
+        check_values: check keep's values; a caller whose keep is 0/1 by construction (the NAtS layer's hard
+            selection) passes False and saves the host sync.
 
     Returns:
         o: [B, T, H, Dv] in the dtype of q. CPU tensors run `torch_chunk.py` unless TRITON_INTERPRET=1.
@@ -540,6 +546,6 @@ def chunk_selected_attention(
     _check_inputs(q, k, v, keep, chunk_size)  # shapes here; keep's values inside the op (reading them syncs)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     if use_torch_path(q):
-        return _torch_path(q, k, v, keep, scale, chunk_size, grad_unselected)
+        return _torch_path(q, k, v, keep, scale, chunk_size, grad_unselected, check_values)
     q, k, v = (x.contiguous() for x in (q, k, v))
-    return selected_attention_fwd_op(q, k, v, keep, scale, chunk_size, grad_unselected)[0]
+    return selected_attention_fwd_op(q, k, v, keep, scale, chunk_size, grad_unselected, check_values)[0]

@@ -288,7 +288,10 @@ class QueryReadout(torch.nn.Module):
             state = state if state is not None else self.zero_state(q.shape[0], q.device)
             o, new = interdomain_step(q[:, 0], k[:, 0], v[:, 0], decay, b, state, readout=C)
             return o[:, None], new
-        return interdomain_attention(q, k, v, decay, b, state, True, self.normalize, CHUNK, readout=C)
+        # decay's real part is -exp(log_dt) exp(a_re) < 0 by construction: the op's value check (a host sync on a
+        # GPU, the tensor being new every step) has nothing to find
+        return interdomain_attention(q, k, v, decay, b, state, True, self.normalize, CHUNK, readout=C,
+                                     check_values=False)
 
 
 class ContractionReadout(torch.nn.Module):
