@@ -311,6 +311,9 @@ class Trainer:
         )
         text = self.cfg.to_yaml() + derived
         print("resolved config:\n" + text, flush=True)
+        note = self.plan.model.interdomain.extrapolation_note(self.plan.model.pattern, self.plan.model.seq_length)
+        if note:
+            print(note, flush=True)
         self.logger.text("config", text)
         os.makedirs(self.cfg.run_dir, exist_ok=True)
         with open(os.path.join(self.cfg.run_dir, "config.yaml"), "w") as f:

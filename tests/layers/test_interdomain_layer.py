@@ -51,6 +51,17 @@ def test_bad_options_name_the_fix():
             preset("tiny", pattern="I", interdomain=opts)
 
 
+def test_extrapolation_note_when_training_is_shorter_than_the_slowest_memory():
+    """`I`'s query readout trained on sequences shorter than 2 / dt_min gets a line of advice at start; the paper's
+    4K presets, a large enough dt_min and the linear-contraction cells get none."""
+    note = tiny("IS").replace(seq_length=256)
+    line = note.interdomain.extrapolation_note(note.pattern, note.seq_length)
+    assert line.startswith("note: model.interdomain.dt_min=0.001 ") and "dt_min=0.0078 " in line
+    quiet = [tiny("IS", dt_min=0.01).replace(seq_length=256), tiny("DS").replace(seq_length=256),
+             tiny("IS", "dual-contraction").replace(seq_length=256), PRESETS["125m-interdomain"]]
+    assert [c.interdomain.extrapolation_note(c.pattern, c.seq_length) for c in quiet] == [None] * 4
+
+
 def _logits(model, tokens, ctx=None):
     out = model(input_ids=tokens, position_ids=None, attention_mask=None, inference_context=ctx,
                 runtime_gather_output=True)
