@@ -1,4 +1,4 @@
-"""Host-side helpers every op in kernels/ shares: where a call runs, and tile sizes.
+"""Host-side helpers every op in kernels/ shares: where a call runs, fp32 dot precision, and tile sizes.
 
 Three places a call can run: the Triton kernels on a GPU; the same kernels in Triton's interpreter on the CPU
 (`TRITON_INTERPRET=1`, what the kernel tests use); or an op's torch chunk implementation, which plain CPU
@@ -29,6 +29,30 @@ def absent(like: torch.Tensor) -> torch.Tensor:
 def present(t: torch.Tensor | None) -> torch.Tensor | None:
     """None for None or an `absent` stand-in, else t."""
     return None if t is None or t.numel() == 0 else t
+
+
+# tl.dot's input_precision for fp32 operands on the GPU, in every op. tf32x3 (three TF32 products per dot, error
+# ~1e-6 relative) runs on tensor cores; "ieee" (full fp32 FMA) took minutes to build for the Interdomain readout
+# kernels; plain "tf32" (~1e-3) is too coarse for the fp32 reference checks. tools/bench_dot_precision.py measures
+# the three per op (error against fp64, time, build time): tools/results/dot-precision.md.
+FP32_DOT_DEFAULT = "tf32x3"
+FP32_DOT_CHOICES = ("tf32", "tf32x3", "ieee")
+FP32_DOT_ENV = "MEGAHYBRID_FP32_DOT"  # a process-wide override, so that the benchmark compares the choices
+
+
+def dot_precision(t: torch.Tensor) -> str:
+    """tl.dot input_precision for operands of t's dtype. Half types: "tf32", Triton's default, which only affects
+    the dots whose operands are fp32 intermediates (kept as they were built and measured). fp32 inputs: exact
+    "ieee" in the interpreter (numpy computes it anyway), FP32_DOT_DEFAULT on the GPU unless MEGAHYBRID_FP32_DOT
+    names another choice."""
+    if t.dtype != torch.float32:
+        return "tf32"
+    if interpreting():
+        return "ieee"
+    choice = os.environ.get(FP32_DOT_ENV, FP32_DOT_DEFAULT)
+    if choice not in FP32_DOT_CHOICES:
+        raise ValueError(f"{FP32_DOT_ENV}={choice!r}: choose one of {', '.join(FP32_DOT_CHOICES)}")
+    return choice
 
 
 def next_pow2(n: int, lo: int = 16) -> int:

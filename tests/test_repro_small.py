@@ -63,6 +63,25 @@ def test_repro_small_end_to_end_on_cpu(data_dir, tmp_path, capsys, monkeypatch):
     table = open(results + ".md").read().splitlines()
     assert [line.split(" | ")[0] for line in table[-len(MODELS):]] == [f"| {m}" for m in MODELS]
     assert os.path.getsize(results + ".png") > 0
+    _recall_only_merges_into_the_results(tool, argv, results, tmp_path, capsys)
+
+
+def _recall_only_merges_into_the_results(tool, argv, results, tmp_path, capsys):
+    """--recall-only on a fresh run root (the training's run dirs gone, as on a new device machine): the config
+    is written again, `I`'s recall is measured anew at the given MQAR batch, `H`'s is left as it was."""
+    before = json.load(open(results + ".json"))
+    fresh_root = str(tmp_path / "fresh-runs")
+    again = [*argv[:argv.index("--run-root")], "--run-root", fresh_root, *argv[argv.index("--run-root") + 2:]]
+    again[again.index("--models") + 1] = "I"
+    assert tool.main([*again, "--recall-only", "--mqar-batch", "2"]) == 0, capsys.readouterr()
+    after = json.load(open(results + ".json"))
+    assert os.path.isfile(os.path.join(fresh_root, "I", "config.yaml"))
+    assert after["meta"]["mqar_batch"] == 2 and after["meta"]["recall_commit"]
+    assert after["models"]["H"] == before["models"]["H"]
+    assert {k: v for k, v in after["models"]["I"].items() if k != "recall"} == \
+        {k: v for k, v in before["models"]["I"].items() if k != "recall"}
+    assert {r["task"] for r in after["models"]["I"]["recall"]} == {"mqar", "niah"}
+    assert "trained on MQAR for 2 steps of 2 sequences" in open(results + ".md").read()
 
 
 def test_gated_interdomain_model_is_I_with_its_output_gate(data_dir):
@@ -76,10 +95,21 @@ def test_gated_interdomain_model_is_I_with_its_output_gate(data_dir):
     assert last[-1] == "model.interdomain.output_gate=false"
 
 
+def _builtin_like(tmp_path) -> str:
+    """A data dir whose files exist (their content is not read before the error)."""
+    root = tmp_path / "data"
+    root.mkdir()
+    for name in ("tokenizer.model", *(f"{s}_text_document{e}" for s in ("train", "valid") for e in (".bin", ".idx"))):
+        (root / name).write_bytes(b"")
+    return str(root)
+
+
 def test_missing_data_and_bad_models_one_line(tmp_path, capsys):
     tool = _tool()
     for argv, message in ((["--data-dir", str(tmp_path)], f"--data-dir {tmp_path}: missing"),
-                          (["--models", "S,X"], "--models S,X --tokens")):
+                          (["--models", "S,X"], "--models S,X --tokens"),
+                          (["--data-dir", _builtin_like(tmp_path), "--recall-only", "--results", str(tmp_path / "r")],
+                           f"--recall-only merges into {tmp_path / 'r'}.json")):
         assert tool.main(argv) == 2
         err = capsys.readouterr().err
         assert err.startswith(f"error: {message}") and len(err.strip().splitlines()) == 1, err

@@ -2,7 +2,7 @@
 # The GPU checks a device session runs, each part fitting one call: every gpu-marked test (each kernel's backward
 # against the fp32 reference ON the GPU: Triton 3.6 on Hopper miscompiles some layouts silently), then the
 # Interdomain benchmark. Run from the repo root on the device machine with `.whl` carried:
-#   MEGAHYBRID_COMMIT=<hash> bash tools/gpu_check.sh [pending|kernels|stack|bench|all]
+#   MEGAHYBRID_COMMIT=<hash> bash tools/gpu_check.sh [pending|kernels|stack|bench|precision|all]
 # pending: the GPU tests of what changed since the last H200 run; kernels: tests/kernels (about 4 minutes); stack:
 # the other gpu tests, which train, export and decode models in subprocesses (about 5 minutes); all: both then
 # bench, more than one call's 10 minutes. The tests run in 14 processes (pytest-xdist, in the device image): one
@@ -19,11 +19,14 @@ run_tests() {  # NAME PATHS...: stops at 290 s with a summary (SIGINT), the log 
     "$@" 2>&1 | tee "${OUT:-/tmp}/gpu-tests-$name.log" | grep -E "^(FAILED|ERROR)|Timeout|passed|failed"
 }
 
-if [ "$mode" = pending ]; then  # what changed since its last H200 run: the ops' custom-op schemas gained
-  # check_values (session 8, after 70900fd, where the I/INSG steps and these custom-op tests last passed): the layers
-  # skip the value checks' host syncs
-  MARK="" run_tests pending tests/test_train_gpu.py tests/kernels/test_custom_ops.py \
-    "tests/kernels/test_interdomain_torch.py::test_decay_check_sees_writes_through_data_gpu" -k "gpu or cuda"
+if [ "$mode" = pending ]; then  # what changed since its last H200 run (d9471ac, session 9): every op's fp32 dots
+  # now take one shared precision (kernels/_triton.py dot_precision): the GDN kernels gained a PREC argument on
+  # every tl.dot (Triton's default tf32 before), the selected attention's fp32 dots went from ieee to tf32x3
+  run_tests pending tests/kernels/test_nats_gdn.py tests/kernels/test_nats_attention.py \
+    tests/kernels/test_interdomain.py tests/kernels/test_custom_ops.py
+fi
+if [ "$mode" = precision ]; then  # the fp32 dot precision choices compared per op (issue #11), about 5 minutes
+  timeout -k 5 560 python3 tools/bench_dot_precision.py 2>&1 | tee "${OUT:-/tmp}/dot-precision.log" | tail -12
 fi
 if [ "$mode" = kernels ] || [ "$mode" = all ]; then
   run_tests kernels tests/kernels

@@ -12,10 +12,12 @@ The files for one GPU call (they must travel with the checkout, 64 MiB in all; 2
         --splits train,valid
 
 Usage: python tools/repro_small.py --data-dir data/wikipedia-en --tokens 25000000 [--models S,D,I,Ig,G,H]
-       [--parallel N] [--run-root DIR] [--results PATH] [--deadline-s S] [--mqar-steps N] [key=value ...]
-       (overrides for every training run). With --deadline-s the training stops in time (checkpoints saved, exit 3)
-       and the same command continues it, so a budget longer than one device call runs over several calls on a
-       warm machine.
+       [--parallel N] [--run-root DIR] [--results PATH] [--deadline-s S] [--mqar-steps N] [--mqar-batch N]
+       [--recall-only] [key=value ...] (overrides for every training run). With --deadline-s the training stops in
+       time (checkpoints saved, exit 3) and the same command continues it, so a budget longer than one device call
+       runs over several calls on a warm machine. Recall runs --parallel models at once too. --recall-only measures
+       the recall of fresh MQAR-trained models alone (no checkpoint needed) and merges it into the existing
+       RESULTS.json: for a run whose device time ended before its recall stage.
 """
 import argparse
 import json
@@ -150,28 +152,58 @@ def cli(argv: list) -> None:
         raise UserError(f"megahybrid {' '.join(argv[:2])} failed with exit {code}")
 
 
-def evaluate(labels: list, files: dict, run_root: str, seq: int, mqar_steps: int) -> dict:
-    """eval ppl of every model on one plot (buckets seq/4 .. 4 seq), then eval recall of each architecture: a fresh
-    model of its run config trained on MQAR for mqar_steps, or (0) its language model zero-shot."""
+def evaluate(labels: list, files: dict, run_root: str, seq: int, mqar_steps: int, parallel: int,
+             mqar_batch: int | None) -> dict:
+    """eval ppl of every model on one plot (buckets seq/4 .. 4 seq), then eval recall of each architecture."""
     ckpts = [os.path.join(run_root, label, "checkpoints") for label in labels]
     lengths = ",".join(str(n) for n in (seq // 4, seq // 2, seq, 2 * seq, 4 * seq))
     ppl_dir = os.path.join(run_root, "eval-ppl")
     cli(["eval", "ppl", "--checkpoint", *ckpts, "--data", files["valid"], "--lengths", lengths,
          "--tokens", str(32 * 4 * seq), "--out", ppl_dir])
     ppl = json.load(open(os.path.join(ppl_dir, "ppl.json")))["results"]
-    recall = {}
-    for label, ckpt in zip(labels, ckpts):
-        out = os.path.join(run_root, f"eval-recall-{label}")
-        source = (["--train-config", os.path.join(run_root, label, "config.yaml"), "--train-steps", str(mqar_steps)]
-                  if mqar_steps else ["--checkpoint", ckpt])
-        cli(["eval", "recall", *source, "--lengths", f"{seq // 4},{seq // 2},{seq}",
-             "--keys", ",".join(map(str, MQAR_KEYS)), "--out", out])
-        recall[label] = json.load(open(os.path.join(out, "recall.json")))["rows"]
+    recall = recall_all(labels, run_root, seq, mqar_steps, parallel, mqar_batch)
     return {"ppl": dict(zip(labels, ppl)), "recall": recall, "mqar_steps": mqar_steps,
             "plot": os.path.join(ppl_dir, "ppl.png")}
 
 
-def record(labels: list, files: dict, tokens: int, run_root: str, evals: dict) -> dict:
+def recall_all(labels: list, run_root: str, seq: int, mqar_steps: int, parallel: int, mqar_batch: int | None) -> dict:
+    """eval recall of each architecture, `parallel` at once (one process each, spread over the GPUs): a fresh model
+    of its run config trained on MQAR for mqar_steps (at mqar_batch sequences per step; default the run's batch),
+    or (mqar_steps 0) its trained language model zero-shot."""
+    import torch
+
+    gpus = torch.cuda.device_count()
+    with ThreadPoolExecutor(max_workers=parallel) as pool:
+        jobs = {label: pool.submit(recall_one, label, run_root, seq, mqar_steps, mqar_batch,
+                                   i % gpus if gpus else None) for i, label in enumerate(labels)}
+        return {label: job.result() for label, job in jobs.items()}
+
+
+def recall_one(label: str, run_root: str, seq: int, mqar_steps: int, mqar_batch: int | None, gpu: int | None) -> list:
+    out = os.path.join(run_root, f"eval-recall-{label}")
+    if mqar_steps:
+        batch = [f"batch.global_batch_size={mqar_batch}", f"batch.micro_batch_size={mqar_batch}"] if mqar_batch else []
+        source = ["--train-config", os.path.join(run_root, label, "config.yaml"), "--train-steps", str(mqar_steps),
+                  *batch]
+    else:
+        source = ["--checkpoint", os.path.join(run_root, label, "checkpoints")]
+    os.makedirs(out, exist_ok=True)
+    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    if gpu is not None:
+        env["CUDA_VISIBLE_DEVICES"] = str(gpu)
+    log = os.path.join(out, "recall.log")
+    with open(log, "w") as f:
+        code = subprocess.run([sys.executable, "-m", "megahybrid", "eval", "recall", "--lengths",
+                               f"{seq // 4},{seq // 2},{seq}", "--keys", ",".join(map(str, MQAR_KEYS)), "--out", out,
+                               *source], stdout=f, stderr=subprocess.STDOUT, env=env, cwd=REPO).returncode
+    if code:
+        tail = open(log).read().strip().splitlines()[-3:]
+        raise UserError(f"eval recall of {label} failed with exit {code}: {' | '.join(tail)}")
+    print(f"{label}: recall measured, log {log}", flush=True)
+    return json.load(open(os.path.join(out, "recall.json")))["rows"]
+
+
+def record(labels: list, files: dict, tokens: int, run_root: str, evals: dict, mqar_batch: int | None) -> dict:
     import torch
 
     from megahybrid.outputs import git_commit
@@ -191,7 +223,8 @@ def record(labels: list, files: dict, tokens: int, run_root: str, evals: dict) -
                      "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
                      "config": CONFIG, "data": os.path.dirname(files["train"]), "tokens_requested": tokens,
                      "train_tokens_available": available, "epochs": tokens / available,
-                     "train_length": model.seq_length, "mqar_steps": evals["mqar_steps"]},
+                     "train_length": model.seq_length, "mqar_steps": evals["mqar_steps"],
+                     "mqar_batch": mqar_batch},
             "models": models}
 
 
@@ -199,7 +232,9 @@ def markdown(result: dict) -> str:
     meta, models = result["meta"], result["models"]
     first = next(iter(models.values()))
     buckets = [b["bucket"] for b in first["ppl_buckets"]]
-    mqar = sorted({(r["length"], r["keys"]) for r in first["recall"] if r["task"] == "mqar"})
+    mqar = sorted({(r["length"], r["keys"]) for m in models.values() for r in m["recall"] if r["task"] == "mqar"})
+    columns = ["model", "pattern", "params", "tok/s", "valid ppl", *(f"ppl {b}" for b in buckets),
+               *(f"MQAR {n}/{k}" for n, k in mqar), "NIAH mean"]
     lines = [f"# Small-scale reproduction ({meta['date']}, {meta['gpu']}, commit {meta['commit']})", "",
              f"Config `{meta['config']}`, data `{meta['data']}`, {meta['tokens_requested']:,} tokens per model "
              f"({meta['epochs']:.2f} epochs of {meta['train_tokens_available']:,} training tokens), trained at "
@@ -207,16 +242,19 @@ def markdown(result: dict) -> str:
              f"{meta['train_length']}: extrapolation); MQAR / needle ({_recall_source(meta)}; MQAR length/keys). "
              "H is the NAtS-L Hybrid.",
              "",
-             "| model | pattern | params | tok/s | valid ppl | " + " | ".join(f"ppl {b}" for b in buckets)
-             + " | " + " | ".join(f"MQAR {n}/{k}" for n, k in mqar) + " | NIAH mean |",
-             "|" + " --- |" * (6 + len(buckets) + len(mqar))]
+             "| " + " | ".join(columns) + " |", "|" + " --- |" * len(columns)]
     lines += [_row(label, m, mqar) for label, m in models.items()]
+    lines += ["", meta["note"]] if meta.get("note") else []
     return "\n".join(lines) + "\n"
 
 
 def _recall_source(meta: dict) -> str:
-    steps = meta.get("mqar_steps")
-    return (f"a fresh model of each architecture trained on MQAR for {steps} steps" if steps
+    steps, batch = meta.get("mqar_steps"), meta.get("mqar_batch")
+    if steps is None:
+        return "not measured yet"
+    at = f" at commit {meta['recall_commit']}" if meta.get("recall_commit") else ""
+    per_step = f" of {batch} sequences" if batch else ""
+    return (f"a fresh model of each architecture trained on MQAR for {steps} steps{per_step}{at}" if steps
             else "zero-shot on the language models")
 
 
@@ -227,7 +265,7 @@ def _row(label: str, m: dict, mqar: list) -> str:
     cells = [label, f"`{m['pattern']}`", f"{m['parameters'] / 1e6:.1f}M",
              f"{train['tokens_per_s']:,.0f}" if train["tokens_per_s"] else "-",
              f"{train['valid_ppl']:.2f}" if train["valid_ppl"] else "-",
-             *(f"{b['ppl']:.2f}" for b in m["ppl_buckets"]), *(f"{acc[s]:.3f}" for s in mqar),
+             *(f"{b['ppl']:.2f}" for b in m["ppl_buckets"]), *(f"{acc[s]:.3f}" if s in acc else "-" for s in mqar),
              f"{statistics.mean(niah):.3f}" if niah else "-"]
     return "| " + " | ".join(cells) + " |"
 
@@ -245,6 +283,10 @@ def parse(argv):
     parser.add_argument("--mqar-steps", type=int, default=500,
                         help="MQAR training steps of the fresh model whose recall is measured per architecture "
                              "(0: zero-shot on the trained language models)")
+    parser.add_argument("--mqar-batch", type=int, default=None,
+                        help="sequences per MQAR training step (default: the run's batch.global_batch_size)")
+    parser.add_argument("--recall-only", action="store_true",
+                        help="measure recall only and merge it into the existing PATH.json (no training)")
     parser.add_argument("--results", default=os.path.join(REPO, "tools", "results", "repro-small"),
                         help="writes PATH.json, PATH.md and PATH.png")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="for every training run")
@@ -253,13 +295,20 @@ def parse(argv):
 
 def run(args) -> int:
     labels = [m for m in args.models.split(",") if m]
-    if not labels or set(labels) - set(MODELS) or args.tokens < 1 or args.parallel < 1 or args.mqar_steps < 0:
+    if (not labels or set(labels) - set(MODELS) or args.tokens < 1 or args.parallel < 1 or args.mqar_steps < 0
+            or (args.mqar_batch is not None and args.mqar_batch < 1)):
         raise UserError(f"--models {args.models} --tokens {args.tokens} --parallel {args.parallel} --mqar-steps "
-                        f"{args.mqar_steps}: choose models from {','.join(MODELS)}, a positive token budget, "
-                        "--parallel >= 1 and --mqar-steps >= 0")
+                        f"{args.mqar_steps} --mqar-batch {args.mqar_batch}: choose models from {','.join(MODELS)}, a "
+                        "positive token budget, --parallel >= 1, --mqar-steps >= 0 and --mqar-batch >= 1")
     files = data_files(os.path.abspath(args.data_dir))
+    existing = existing_results(args) if args.recall_only else None
     run_root = os.path.abspath(args.run_root or os.path.join(REPO, "runs", f"repro-small-{args.tokens}"))
     overrides = {label: run_overrides(label, files, args.tokens, run_root, args.overrides) for label in labels}
+    from megahybrid.train.config import load_config
+
+    seq = load_config(CONFIG, args.overrides).model.overrides["seq_length"]
+    if existing is not None:
+        return recall_only(args, existing, labels, overrides, run_root, seq)
     deadline = None if args.deadline_s is None else time.monotonic() + args.deadline_s
     unfinished = train_all(labels, overrides, run_root, args.parallel, deadline)
     if unfinished:
@@ -268,18 +317,59 @@ def run(args) -> int:
         print(f"stopped at --deadline-s {args.deadline_s:g}: {','.join(unfinished)} not finished (checkpoints "
               f"saved in {run_root}); run the same command again to continue", file=sys.stderr, flush=True)
         return EXIT_REQUEUE
+    evals = evaluate(labels, files, run_root, seq, args.mqar_steps, args.parallel, args.mqar_batch)
+    write(args.results, record(labels, files, args.tokens, run_root, evals, args.mqar_batch))
+    shutil.copyfile(os.path.join(run_root, "eval-ppl", "ppl.png"), args.results + ".png")
+    return 0
+
+
+def existing_results(args) -> dict:
+    if not args.mqar_steps:
+        raise UserError("--recall-only trains fresh models on MQAR: give --mqar-steps N > 0")
+    try:
+        with open(args.results + ".json") as f:
+            return json.load(f)
+    except (OSError, ValueError) as err:
+        raise UserError(f"--recall-only merges into {args.results}.json, which cannot be read ({err}); run "
+                        "tools/repro_small.py without --recall-only first") from None
+
+
+def recall_only(args, result: dict, labels: list, overrides: dict, run_root: str, seq: int) -> int:
+    """Recall of fresh models trained on MQAR (it needs no trained checkpoint) merged into the existing results:
+    what a training run that ran out of device time before its recall stage still lacks."""
     from megahybrid.train.config import load_config
 
-    seq = load_config(CONFIG, args.overrides).model.overrides["seq_length"]
-    result = record(labels, files, args.tokens, run_root, evaluate(labels, files, run_root, seq, args.mqar_steps))
-    os.makedirs(os.path.dirname(os.path.abspath(args.results)), exist_ok=True)
-    with open(args.results + ".json", "w") as f:
-        json.dump(result, f, indent=1)
-    with open(args.results + ".md", "w") as f:
-        f.write(markdown(result))
-    shutil.copyfile(os.path.join(run_root, "eval-ppl", "ppl.png"), args.results + ".png")
-    print(markdown(result) + f"wrote {args.results}.json, .md and .png", flush=True)
+    labels = [label for label in labels if label in result["models"]]
+    if not labels:
+        raise UserError(f"--recall-only: none of --models {args.models} is in {args.results}.json")
+    for label in labels:
+        config = os.path.join(run_root, label, "config.yaml")
+        if not os.path.isfile(config):  # the training's run dir is gone: the same config, written again
+            os.makedirs(os.path.dirname(config), exist_ok=True)
+            with open(config, "w") as f:
+                f.write(load_config(CONFIG, overrides[label]).to_yaml())
+    recall = recall_all(labels, run_root, seq, args.mqar_steps, args.parallel, args.mqar_batch)
+    for label in labels:
+        result["models"][label]["recall"] = recall[label]
+    result["meta"].update(mqar_steps=args.mqar_steps, mqar_batch=args.mqar_batch, recall_commit=_commit(),
+                          recall_date=time.strftime("%Y-%m-%d"))
+    write(args.results, result)
     return 0
+
+
+def _commit() -> str:
+    from megahybrid.outputs import git_commit
+
+    return git_commit()
+
+
+def write(path: str, result: dict) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path + ".json", "w") as f:
+        json.dump(result, f, indent=1)
+    with open(path + ".md", "w") as f:
+        f.write(markdown(result))
+    print(markdown(result) + f"wrote {path}.json and .md", flush=True)
 
 
 def main(argv=None) -> int:

@@ -61,8 +61,11 @@ def _train_rows(rows, meta):
         compiled = " compiled" if r.get("compile") else ""
         batch = r.get("batch") or (r["micro"] * r.get("gas", 1) if "micro" in r else None)  # newer rows: micro x gas
         what = f"train {r['preset']} seq {r.get('seq')} batch {batch}{compiled}"
+        peak = meta.get("matmul_peak_tflops")  # a number, or a text naming each call's peak: then the row's own
+        if not isinstance(peak, (int, float)) and r.get("MFU_meas") and r.get("TFLOP/s"):
+            peak = r["TFLOP/s"] / r["MFU_meas"]
         yield (what, f"{_num(r['tok/s'], ',.0f')} tok/s, MFU {_num(r.get('MFU_meas'), '.1%')}",
-               f"{_num(r.get('TFLOP/s'), '.0f')} of {_num(meta.get('matmul_peak_tflops'), '.0f')} TFLOP/s matmul peak")
+               f"{_num(r.get('TFLOP/s'), '.0f')} of {_num(peak, '.0f')} TFLOP/s matmul peak", r.get("commit"))
 
 
 def _kernel_rows(rows, meta):
@@ -136,7 +139,7 @@ def _model_lines(data):
                f"{_num(buckets[-1].get('ppl'), '.2f')})", f"trained at {meta.get('train_length', '-')}")
 
 
-def headlines(name: str, data) -> list[tuple[str, str, str]]:
+def headlines(name: str, data) -> list[tuple]:
     if not isinstance(data, dict):
         return [(name, "-", "not a {meta, rows} record")]
     if "error" in data:
@@ -174,9 +177,10 @@ def render(results_dir: str) -> str:
         if family in variants:
             continue
         meta = _meta(data)
-        for what, value, anchor in headlines(family, data):
+        for what, value, anchor, *row_commit in headlines(family, data):  # a row may name its own commit
+            commit = row_commit[0] if row_commit and row_commit[0] else meta.get("commit", "-")
             cells = [what, value, anchor, str(meta.get("date", "-")), str(meta.get("gpu") or meta.get("device") or "-"),
-                     str(meta.get("commit", "-")), f"[{name}]({name})"]
+                     str(commit), f"[{name}]({name})"]
             lines.append("| " + " | ".join(c.replace("|", "/") for c in cells) + " |")
     if variants:
         listed = ", ".join(f"[{current[f][0]}]({current[f][0]}) ({_meta(current[f][1]).get('date', '-')}, "

@@ -42,9 +42,9 @@ Names (complex values as (re, im) pairs `*r`, `*i`; j = t - chunk start, the tok
 import triton
 import triton.language as tl
 
-from megahybrid_kernels._triton import interpreting, next_pow2
+from megahybrid_kernels._triton import dot_precision, interpreting, next_pow2
 
-from .utils import DEFAULT_PLAN, InterdomainPlan, cmul, dot_precision, lam_pow
+from .utils import DEFAULT_PLAN, InterdomainPlan, cmul, lam_pow
 
 
 @triton.jit

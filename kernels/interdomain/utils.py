@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from megahybrid_kernels._triton import interpreting, use_torch_path
+from megahybrid_kernels._triton import use_torch_path
 
 
 PLANS: list = []  # every distinct InterdomainPlan made, at its plan_id
@@ -90,14 +90,6 @@ class InterdomainPlan:
 
 
 DEFAULT_PLAN = InterdomainPlan()
-
-
-def dot_precision(t: torch.Tensor) -> str:
-    """tl.dot input precision for t's dtype. fp32 on the GPU: 3xTF32 keeps ~1e-6 relative error on tensor cores;
-    full-FMA "ieee" dots take minutes to build (the interpreter takes them as they are)."""
-    if t.dtype != torch.float32:
-        return "tf32"
-    return "ieee" if interpreting() else "tf32x3"
 
 
 def uses_torch_path(q, readout=None, normalize=False, plan: InterdomainPlan = DEFAULT_PLAN):

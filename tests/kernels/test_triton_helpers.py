@@ -1,5 +1,11 @@
-"""kernels/_triton.py: the shared-memory stage fallback, with a stand-in for a Triton kernel."""
+"""kernels/_triton.py: the shared-memory stage fallback, with a stand-in for a Triton kernel; the one fp32 dot
+precision every op's kernels take."""
+import glob
+import os
+import re
+
 import pytest
+import torch
 from triton.runtime.errors import OutOfResources
 
 from megahybrid_kernels import _triton
@@ -33,3 +39,37 @@ def test_no_fitting_pipeline_is_a_one_line_value_error(monkeypatch):
     with pytest.raises(ValueError, match=r"^op: head dims \(512, 'fp32'\) do not fit this GPU's shared memory") as e:
         _triton.launch_fitting_stages(FakeKernel("huge", fits=0), (1,), (), {"num_stages": 2}, (512, "fp32"), "op")
     assert "\n" not in str(e.value)
+
+
+def test_one_dot_precision_for_every_op(monkeypatch):
+    """Half inputs keep Triton's default; fp32 gets exact products in the interpreter and the shared choice on the
+    GPU, which MEGAHYBRID_FP32_DOT overrides (how tools/bench_dot_precision.py compares the choices)."""
+    half, full = torch.zeros(1, dtype=torch.bfloat16), torch.zeros(1)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert (_triton.dot_precision(half), _triton.dot_precision(full)) == ("tf32", "ieee")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.delenv(_triton.FP32_DOT_ENV, raising=False)
+    assert _triton.dot_precision(full) == _triton.FP32_DOT_DEFAULT == "tf32x3"
+    monkeypatch.setenv(_triton.FP32_DOT_ENV, "ieee")
+    assert (_triton.dot_precision(full), _triton.dot_precision(half)) == ("ieee", "tf32")
+    monkeypatch.setenv(_triton.FP32_DOT_ENV, "fp64")
+    with pytest.raises(ValueError, match="MEGAHYBRID_FP32_DOT='fp64': choose one of tf32, tf32x3, ieee"):
+        _triton.dot_precision(full)
+
+
+def test_every_kernel_dot_names_its_precision():
+    """A tl.dot without input_precision takes Triton's default (TF32 for fp32 operands, ~1e-3): the GDN kernels
+    did, while the other ops used fp32-exact products."""
+    root = os.path.dirname(os.path.abspath(_triton.__file__))
+    files = sorted(glob.glob(os.path.join(root, "**", "*.py"), recursive=True))
+    unnamed = []
+    for path in files:
+        text = open(path).read()
+        for match in re.finditer(r"tl\.dot\(", text):
+            depth, end = 1, match.end()
+            while depth:
+                depth += {"(": 1, ")": -1}.get(text[end], 0)
+                end += 1
+            if "input_precision=" not in text[match.end():end]:
+                unnamed.append(f"{os.path.relpath(path, root)}:{text.count(chr(10), 0, match.start()) + 1}")
+    assert len(files) > 10 and not unnamed, unnamed

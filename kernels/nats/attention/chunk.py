@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from megahybrid_kernels.nats.attention.torch_chunk import torch_chunk_selected_attention
-from megahybrid_kernels._triton import launch_fitting_stages, next_pow2, use_torch_path
+from megahybrid_kernels._triton import dot_precision, launch_fitting_stages, next_pow2, use_torch_path
 from megahybrid_kernels.nats.checks import check_keep_values
 
 LOG2E = 1.4426950408889634
@@ -333,11 +333,6 @@ def _head_dims(DK: int, DV: int, device: torch.device) -> dict:
     return dict(DK=DK, BDK=next_pow2(DK, lo), DV=DV, BDV=next_pow2(DV, lo))
 
 
-def _precision(q: torch.Tensor) -> str:
-    # fp32 inputs get exact fp32 products (the tests compare them tightly); half types use tensor cores.
-    return "ieee" if q.dtype == torch.float32 else "tf32"
-
-
 def _interpret(q: torch.Tensor) -> bool:
     return q.device.type == "cpu"
 
@@ -360,7 +355,7 @@ def _config(q: torch.Tensor, kernel: str) -> dict:
 
 def _consts(q: torch.Tensor, DK: int, DV: int, chunk_size: int) -> dict:
     H = q.shape[2]
-    return dict(H=H, **_head_dims(DK, DV, q.device), BT=chunk_size, PREC=_precision(q), INTERPRET=_interpret(q))
+    return dict(H=H, **_head_dims(DK, DV, q.device), BT=chunk_size, PREC=dot_precision(q), INTERPRET=_interpret(q))
 
 
 def _launch(kernel, grid, args: tuple, q: torch.Tensor, consts: dict, cfg: dict) -> None:

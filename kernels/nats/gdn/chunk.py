@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
-from megahybrid_kernels._triton import absent, interpreting, next_pow2, present, use_torch_path
+from megahybrid_kernels._triton import absent, dot_precision, interpreting, next_pow2, present, use_torch_path
 from megahybrid_kernels.nats.checks import check_keep_values, check_log_decay
 from megahybrid_kernels.nats.gdn.tiles import BT, _chunk_bk, _chunk_scalars, _ld, _ld_t, _ld_vec, _loop_bv, _st, _tuned
 from megahybrid_kernels.nats.gdn.torch_chunk import torch_chunk_selected_gdn
@@ -28,7 +28,7 @@ from megahybrid_kernels.nats.gdn.wy import _bwd_wy_kernel, _recompute_wu, _wy_fw
 @triton.jit
 def _fwd_h_program(k, w, u, G, keep, h, v_new, h0, ht, T, NT, H: tl.constexpr, K: tl.constexpr,
                    V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DECAY_DROPPED: tl.constexpr,
-                   USE_H0: tl.constexpr, STORE_HT: tl.constexpr):
+                   USE_H0: tl.constexpr, STORE_HT: tl.constexpr, PREC: tl.constexpr):
     """Sequential inter-chunk recurrence with the commit mask; writes chunk-start states and v'; grid (NV, B*H)."""
     i_v, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
@@ -46,14 +46,14 @@ def _fwd_h_program(k, w, u, G, keep, h, v_new, h0, ht, T, NT, H: tl.constexpr, K
         _st(h + ((i_b.to(tl.int64) * NT + i_t) * H + i_h) * K * V, ck, cv, K, V, V, b_h)
         r = i_t * 64 + tl.arange(0, 64)
         b_w = _ld(w, r, ck, T, K, H * K)
-        b_vn = _ld(u, r, cv, T, V, H * V).to(tl.float32) - tl.dot(b_w, b_h.to(b_w.dtype))
+        b_vn = _ld(u, r, cv, T, V, H * V).to(tl.float32) - tl.dot(b_w, b_h.to(b_w.dtype), input_precision=PREC)
         _st(v_new, r, cv, T, V, H * V, b_vn)
         m, g_last, a = _chunk_scalars(G, keep, i_t * 64, T, i_bh.to(tl.int64) * NT + i_t, H, DECAY_DROPPED)
         b_h *= a
         if m != 0:
             b_G = _ld_vec(G, r, T, H)
             b_vd = b_vn * tl.where(r < T, m * tl.exp(g_last - b_G), 0.0)[:, None]
-            b_h += tl.dot(_ld_t(k, r, ck, T, K, H * K), b_vd.to(b_w.dtype))
+            b_h += tl.dot(_ld_t(k, r, ck, T, K, H * K), b_vd.to(b_w.dtype), input_precision=PREC)
     if STORE_HT:
         _st(ht + i_bh.to(tl.int64) * K * V, ck, cv, K, V, V, b_h)
 
@@ -68,22 +68,22 @@ def _fwd_h_program(k, w, u, G, keep, h, v_new, h0, ht, T, NT, H: tl.constexpr, K
 @triton.jit
 def _fwd_h_kernel(k, w, u, G, keep, h, v_new, h0, ht, T, NT: tl.constexpr, H: tl.constexpr, K: tl.constexpr,
                   V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DECAY_DROPPED: tl.constexpr,
-                  USE_H0: tl.constexpr, STORE_HT: tl.constexpr):
-    _fwd_h_program(k, w, u, G, keep, h, v_new, h0, ht, T, NT, H, K, V, BK, BV, DECAY_DROPPED, USE_H0, STORE_HT)
+                  USE_H0: tl.constexpr, STORE_HT: tl.constexpr, PREC: tl.constexpr):
+    _fwd_h_program(k, w, u, G, keep, h, v_new, h0, ht, T, NT, H, K, V, BK, BV, DECAY_DROPPED, USE_H0, STORE_HT, PREC)
 
 
 @_tuned(['H', 'K', 'V', 'BV'], [(4, 1), (4, 2), (8, 2)])
 @triton.jit(do_not_specialize=["NT"])
 def _fwd_h_one_chunk_kernel(k, w, u, G, keep, h, v_new, h0, ht, T, NT, H: tl.constexpr, K: tl.constexpr,
                             V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DECAY_DROPPED: tl.constexpr,
-                            USE_H0: tl.constexpr, STORE_HT: tl.constexpr):
-    _fwd_h_program(k, w, u, G, keep, h, v_new, h0, ht, T, NT, H, K, V, BK, BV, DECAY_DROPPED, USE_H0, STORE_HT)
+                            USE_H0: tl.constexpr, STORE_HT: tl.constexpr, PREC: tl.constexpr):
+    _fwd_h_program(k, w, u, G, keep, h, v_new, h0, ht, T, NT, H, K, V, BK, BV, DECAY_DROPPED, USE_H0, STORE_HT, PREC)
 
 
 @_tuned(['H', 'K', 'V'], [(4, 2), (8, 2)])
 @triton.jit
 def _fwd_o_kernel(q, k, v_new, h, G, o, scale, T, NT, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                  BK: tl.constexpr, BV: tl.constexpr):
+                  BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr):
     """o = scale (e^G q S_c + causal(q k^T e^{G_i - G_j}) v'); grid (NV, NT, B*H)."""
     i_v, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // H, i_bh % H
@@ -95,21 +95,21 @@ def _fwd_o_kernel(q, k, v_new, h, G, o, scale, T, NT, H: tl.constexpr, K: tl.con
     for i_k in range(tl.cdiv(K, BK)):
         c = i_k * BK + tl.arange(0, BK)
         b_q = _ld(q + (bos * H + i_h) * K, r, c, T, K, H * K)
-        b_o += tl.dot(b_q, _ld(h, c, cv, K, V, V).to(b_q.dtype))
-        b_s += tl.dot(b_q, _ld_t(k + (bos * H + i_h) * K, r, c, T, K, H * K))
+        b_o += tl.dot(b_q, _ld(h, c, cv, K, V, V).to(b_q.dtype), input_precision=PREC)
+        b_s += tl.dot(b_q, _ld_t(k + (bos * H + i_h) * K, r, c, T, K, H * K), input_precision=PREC)
     b_G = _ld_vec(G + bos * H + i_h, r, T, H)
     # rows past T too: their G loads as 0, so e^{G_i - G_j} is inf there and 0 * inf = NaN would leak into sums
     causal = (r[:, None] >= r[None, :]) & (r < T)[None, :] & (r < T)[:, None]
     b_s = tl.where(causal, b_s * tl.exp(b_G[:, None] - b_G[None, :]), 0.0)
     b_vn = _ld(v_new + (bos * H + i_h) * V, r, cv, T, V, H * V)
-    b_o = b_o * tl.exp(b_G)[:, None] + tl.dot(b_s.to(b_vn.dtype), b_vn)
+    b_o = b_o * tl.exp(b_G)[:, None] + tl.dot(b_s.to(b_vn.dtype), b_vn, input_precision=PREC)
     _st(o + (bos * H + i_h) * V, r, cv, T, V, H * V, b_o * scale)
 
 
 @_tuned(['H', 'K', 'V'], [(4, 2), (8, 2)])
 @triton.jit
 def _bwd_dv_local_kernel(q, k, G, do, dv, scale, T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                         BK: tl.constexpr, BV: tl.constexpr):
+                         BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr):
     """dv'_j from the intra-chunk outputs: scale sum_{i >= j} (k_j.q_i) e^{G_i - G_j} do_i; grid (NT, B*H)."""
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
@@ -119,20 +119,20 @@ def _bwd_dv_local_kernel(q, k, G, do, dv, scale, T, H: tl.constexpr, K: tl.const
     for i_k in range(tl.cdiv(K, BK)):
         c = i_k * BK + tl.arange(0, BK)
         b_k = _ld(k + (bos * H + i_h) * K, r, c, T, K, H * K)
-        b_s += tl.dot(b_k, _ld_t(q + (bos * H + i_h) * K, r, c, T, K, H * K))
+        b_s += tl.dot(b_k, _ld_t(q + (bos * H + i_h) * K, r, c, T, K, H * K), input_precision=PREC)
     b_G = _ld_vec(G + bos * H + i_h, r, T, H)
     anti = (r[:, None] <= r[None, :]) & (r < T)[None, :]
     b_s = tl.where(anti, b_s * tl.exp(b_G[None, :] - b_G[:, None]), 0.0) * scale
     for i_v in range(tl.cdiv(V, BV)):
         cv = i_v * BV + tl.arange(0, BV)
         b_do = _ld(do + (bos * H + i_h) * V, r, cv, T, V, H * V)
-        _st(dv + (bos * H + i_h) * V, r, cv, T, V, H * V, tl.dot(b_s.to(b_do.dtype), b_do))
+        _st(dv + (bos * H + i_h) * V, r, cv, T, V, H * V, tl.dot(b_s.to(b_do.dtype), b_do, input_precision=PREC))
 
 
 @triton.jit
 def _bwd_dh_program(q, k, w, G, keep, do, dv_local, dv2, dh, dh0, dht, scale, T, NT,
                     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                    DECAY_DROPPED: tl.constexpr, USE_DH0: tl.constexpr, USE_DHT: tl.constexpr):
+                    DECAY_DROPPED: tl.constexpr, USE_DH0: tl.constexpr, USE_DHT: tl.constexpr, PREC: tl.constexpr):
     """Reverse recurrence of dS_{c+1} (stored per chunk) and the total dv'; grid (NV, B*H)."""
     i_v, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
@@ -158,13 +158,14 @@ def _bwd_dh_program(q, k, w, G, keep, do, dv_local, dv2, dh, dh0, dht, scale, T,
         b_k = _ld(k, r, ck, T, K, H * K)
         if m != 0:
             b_kd = b_k * tl.where(r < T, m * tl.exp(g_last - b_G), 0.0)[:, None]
-            b_dv += tl.dot(b_kd.to(b_k.dtype), b_dh.to(b_k.dtype))
+            b_dv += tl.dot(b_kd.to(b_k.dtype), b_dh.to(b_k.dtype), input_precision=PREC)
         _st(dv2, r, cv, T, V, H * V, b_dv)
         b_qt = _ld_t(q, r, ck, T, K, H * K)
         b_qt = (b_qt * (scale * tl.exp(b_G))[None, :]).to(b_k.dtype)
         b_do = _ld(do, r, cv, T, V, H * V)
         b_wt = _ld_t(w, r, ck, T, K, H * K)
-        b_dh = a * b_dh + tl.dot(b_qt, b_do.to(b_k.dtype)) - tl.dot(b_wt, b_dv.to(b_k.dtype))
+        b_dh = (a * b_dh + tl.dot(b_qt, b_do.to(b_k.dtype), input_precision=PREC)
+                - tl.dot(b_wt, b_dv.to(b_k.dtype), input_precision=PREC))
     if USE_DH0:
         _st(dh0 + i_bh.to(tl.int64) * K * V, ck, cv, K, V, V, b_dh)
 
@@ -173,25 +174,26 @@ def _bwd_dh_program(q, k, w, G, keep, do, dv_local, dv2, dh, dh0, dht, scale, T,
 @triton.jit
 def _bwd_dh_kernel(q, k, w, G, keep, do, dv_local, dv2, dh, dh0, dht, scale, T, NT: tl.constexpr,
                    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                   DECAY_DROPPED: tl.constexpr, USE_DH0: tl.constexpr, USE_DHT: tl.constexpr):
+                   DECAY_DROPPED: tl.constexpr, USE_DH0: tl.constexpr, USE_DHT: tl.constexpr, PREC: tl.constexpr):
     _bwd_dh_program(q, k, w, G, keep, do, dv_local, dv2, dh, dh0, dht, scale, T, NT, H, K, V, BK, BV,
-                    DECAY_DROPPED, USE_DH0, USE_DHT)
+                    DECAY_DROPPED, USE_DH0, USE_DHT, PREC)
 
 
 @_tuned(['H', 'K', 'V', 'BV'], [(4, 1), (4, 2), (8, 1)])
 @triton.jit(do_not_specialize=["NT"])
 def _bwd_dh_one_chunk_kernel(q, k, w, G, keep, do, dv_local, dv2, dh, dh0, dht, scale, T, NT,
                              H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                             DECAY_DROPPED: tl.constexpr, USE_DH0: tl.constexpr, USE_DHT: tl.constexpr):
+                             DECAY_DROPPED: tl.constexpr, USE_DH0: tl.constexpr, USE_DHT: tl.constexpr,
+                             PREC: tl.constexpr):
     _bwd_dh_program(q, k, w, G, keep, do, dv_local, dv2, dh, dh0, dht, scale, T, NT, H, K, V, BK, BV,
-                    DECAY_DROPPED, USE_DH0, USE_DHT)
+                    DECAY_DROPPED, USE_DH0, USE_DHT, PREC)
 
 
 @_tuned(['H', 'K', 'V'], [(4, 2), (8, 1), (8, 2)])
 @triton.jit
 def _bwd_dqkwg_kernel(q, k, v_new, h, dh, do, dv2, G, keep, dq, dk, dw, dG, dkeep, scale, T, NT, B,
                       H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                      DECAY_DROPPED: tl.constexpr):
+                      DECAY_DROPPED: tl.constexpr, PREC: tl.constexpr):
     """dq, dk (state and intra parts), dw, the gate gradient dG and dkeep of one chunk and K block.
 
     grid (NK, NT, B*H); dG and dkeep are per-K-block partial sums.
@@ -217,11 +219,11 @@ def _bwd_dqkwg_kernel(q, k, v_new, h, dh, do, dv2, G, keep, dq, dk, dw, dG, dkee
         b_dv = _ld(dv2 + (bos * H + i_h) * V, r, cv, T, V, H * V).to(b_vn.dtype)
         b_ht = _ld_t(h, c, cv, K, V, V)
         b_dht = _ld_t(dh, c, cv, K, V, V)
-        b_dqs += tl.dot(b_do, b_ht.to(b_do.dtype))
-        b_dks += tl.dot(b_vn, b_dht.to(b_vn.dtype))
-        b_dws += tl.dot(b_dv, b_ht.to(b_vn.dtype))
-        b_dp += tl.dot(b_do, b_vnt.to(b_do.dtype))
-        b_dpt += tl.dot(b_vn, b_dot.to(b_vn.dtype))
+        b_dqs += tl.dot(b_do, b_ht.to(b_do.dtype), input_precision=PREC)
+        b_dks += tl.dot(b_vn, b_dht.to(b_vn.dtype), input_precision=PREC)
+        b_dws += tl.dot(b_dv, b_ht.to(b_vn.dtype), input_precision=PREC)
+        b_dp += tl.dot(b_do, b_vnt.to(b_do.dtype), input_precision=PREC)
+        b_dpt += tl.dot(b_vn, b_dot.to(b_vn.dtype), input_precision=PREC)
         b_hdh += tl.sum(b_ht.to(tl.float32) * b_dht.to(tl.float32), 0)
 
     b_q = _ld(q + (bos * H + i_h) * K, r, c, T, K, H * K)
@@ -236,11 +238,12 @@ def _bwd_dqkwg_kernel(q, k, v_new, h, dh, do, dv2, G, keep, dq, dk, dw, dG, dkee
     anti = (r[:, None] <= r[None, :]) & valid[None, :]
     b_dpt = tl.where(anti, b_dpt * tl.exp(b_G[None, :] - b_G[:, None]), 0.0) * scale
     b_dqs = b_dqs * (scale * tl.exp(b_G))[:, None]
-    b_dq = b_dqs + tl.dot(b_dp.to(b_k.dtype), b_k)
+    b_dq = b_dqs + tl.dot(b_dp.to(b_k.dtype), b_k, input_precision=PREC)
     b_kd = b_k.to(tl.float32) * tl.where(valid, tl.exp(g_last - b_G), 0.0)[:, None]
-    b_dk = m * tl.where(valid, tl.exp(g_last - b_G), 0.0)[:, None] * b_dks + tl.dot(b_dpt.to(b_q.dtype), b_q)
+    b_dk = (m * tl.where(valid, tl.exp(g_last - b_G), 0.0)[:, None] * b_dks
+            + tl.dot(b_dpt.to(b_q.dtype), b_q, input_precision=PREC))
     # gate gradient: state read, write decay, intra-chunk scores (row minus column sums)
-    b_qk = tl.dot(b_q, _ld_t(k + (bos * H + i_h) * K, r, c, T, K, H * K))
+    b_qk = tl.dot(b_q, _ld_t(k + (bos * H + i_h) * K, r, c, T, K, H * K), input_precision=PREC)
     b_l = b_dp * b_qk
     kd_dks = tl.sum(b_kd * b_dks, 1)
     b_dg = tl.sum(b_dqs * b_q.to(tl.float32), 1) - m * kd_dks + tl.sum(b_l, 1) - tl.sum(b_l, 0)
@@ -287,7 +290,8 @@ def _fwd_h(k, w, u, G, keep, initial_state, output_final_state, decay_dropped):
     kernel = _fwd_h_kernel if NT > 1 or interpreting() else _fwd_h_one_chunk_kernel
     kernel[(triton.cdiv(V, BV), B * H)](
         k, w, u, G, keep, h, v_new, initial_state, ht, T, NT, H=H, K=K, V=V, BK=_state_bk(K, k.device), BV=BV,
-        DECAY_DROPPED=decay_dropped, USE_H0=initial_state is not None, STORE_HT=output_final_state)
+        DECAY_DROPPED=decay_dropped, USE_H0=initial_state is not None, STORE_HT=output_final_state,
+        PREC=dot_precision(k))
     return h, v_new, ht
 
 
@@ -301,7 +305,7 @@ def chunk_selected_gdn_fwd(q, k, v, g, beta, keep, scale, initial_state, output_
     o = torch.empty_like(v)
     BV = _loop_bv(V, q.dtype)
     _fwd_o_kernel[(triton.cdiv(V, BV), NT, B * H)](q, k, v_new, h, G, o, scale, T, NT, H=H, K=K, V=V,
-                                                    BK=_chunk_bk(K, q.device), BV=BV)
+                                                    BK=_chunk_bk(K, q.device), BV=BV, PREC=dot_precision(q))
     return o, ht, G, Ai
 
 
@@ -310,12 +314,12 @@ def chunk_selected_gdn_bwd(q, k, v, beta, keep, G, Ai, scale, initial_state, do,
     """Backward host function: recomputes w, u, h, v' and returns dq, dk, dv, dg, dbeta, dkeep, dh0."""
     B, T, H, K = q.shape
     V, NT = v.shape[-1], triton.cdiv(T, BT)
-    BK, BV = _chunk_bk(K, q.device), _loop_bv(V, q.dtype)
+    BK, BV, prec = _chunk_bk(K, q.device), _loop_bv(V, q.dtype), dot_precision(q)
     w, u = _recompute_wu(k, v, beta, G, Ai)
     h, v_new, _ = _fwd_h(k, w, u, G, keep, initial_state, False, decay_dropped)
     do = do.contiguous()
     dv_local = torch.empty(B, T, H, V, device=q.device, dtype=torch.float32)
-    _bwd_dv_local_kernel[(NT, B * H)](q, k, G, do, dv_local, scale, T, H=H, K=K, V=V, BK=BK, BV=BV)
+    _bwd_dv_local_kernel[(NT, B * H)](q, k, G, do, dv_local, scale, T, H=H, K=K, V=V, BK=BK, BV=BV, PREC=prec)
 
     dh = q.new_empty(B, NT, H, K, V)
     dv2 = torch.empty_like(dv_local)
@@ -324,8 +328,7 @@ def chunk_selected_gdn_bwd(q, k, v, beta, keep, G, Ai, scale, initial_state, do,
     kernel = _bwd_dh_kernel if NT > 1 or interpreting() else _bwd_dh_one_chunk_kernel
     kernel[(triton.cdiv(V, BVs), B * H)](
         q, k, w, G, keep, do, dv_local, dv2, dh, dh0, dht, scale, T, NT, H=H, K=K, V=V, BK=_state_bk(K, q.device),
-        BV=BVs,
-        DECAY_DROPPED=decay_dropped, USE_DH0=dh0 is not None, USE_DHT=dht is not None)
+        BV=BVs, DECAY_DROPPED=decay_dropped, USE_DH0=dh0 is not None, USE_DHT=dht is not None, PREC=prec)
 
     NK = triton.cdiv(K, BK)
     dq, dk1 = torch.empty_like(q), torch.empty(B, T, H, K, device=q.device, dtype=torch.float32)
@@ -333,7 +336,7 @@ def chunk_selected_gdn_bwd(q, k, v, beta, keep, G, Ai, scale, initial_state, do,
     dG = torch.empty(NK, B, T, H, device=q.device, dtype=torch.float32)
     dkeep = torch.empty(NK, B, H, NT, device=q.device, dtype=torch.float32)
     _bwd_dqkwg_kernel[(NK, NT, B * H)](q, k, v_new, h, dh, do, dv2, G, keep, dq, dk1, dw, dG, dkeep, scale, T,
-                                       NT, B, H=H, K=K, V=V, BK=BK, BV=BV, DECAY_DROPPED=decay_dropped)
+                                       NT, B, H=H, K=K, V=V, BK=BK, BV=BV, DECAY_DROPPED=decay_dropped, PREC=prec)
     dG, dkeep = dG.sum(0), dkeep.sum(0)
     if not dkeep_dropped:
         dkeep = dkeep * (keep != 0)
@@ -342,7 +345,7 @@ def chunk_selected_gdn_bwd(q, k, v, beta, keep, G, Ai, scale, initial_state, do,
     dbeta = torch.empty(B, T, H, device=q.device, dtype=beta.dtype)
     dg = torch.empty(B, T, H, device=q.device, dtype=torch.float32)
     _bwd_wy_kernel[(NT, B * H)](k, v, beta, G, Ai, dw, dv2, dk1, dG, dk, dv, dbeta, dg, T, H=H, K=K, V=V, BK=BK,
-                                BV=BV)
+                                BV=BV, PREC=prec)
     return dq, dk, dv, dg, dbeta, dkeep.to(keep.dtype), dh0
 
 

@@ -7,6 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
+from megahybrid_kernels._triton import dot_precision
 from megahybrid_kernels.nats.gdn.tiles import BT, _chunk_bk, _ld, _ld_t, _ld_vec, _loop_bv, _st, _tuned
 
 
@@ -18,6 +19,12 @@ def _gate_block(A, Gi, Gj, beta_i, mi, mj, DIAG: tl.constexpr):
     if DIAG:
         valid = valid & (o[:, None] > o[None, :])
     return tl.where(valid, A * tl.exp(Gi[:, None] - Gj[None, :]), 0.0) * beta_i[:, None]
+
+
+@triton.jit
+def _mm(a, b, PREC: tl.constexpr):
+    """The 16 x 16 fp32 block product of the inverse (tf32 where the inputs are half: dot_precision)."""
+    return tl.dot(a, b, input_precision=PREC)
 
 
 @triton.jit
@@ -34,7 +41,7 @@ def _inv_unit_lower16(A):
 
 @_tuned(['H', 'K'], [(2, 2), (4, 2)])
 @triton.jit
-def _kkt_inv_kernel(k, g, beta, G, Ai, T, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr):
+def _kkt_inv_kernel(k, g, beta, G, Ai, T, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr):
     """Chunk-local cumsum G of g and Ai = (I + A)^{-1}, A_ij = beta_i k_i.k_j e^{G_i - G_j} (i > j); grid (NT, B*H)."""
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
@@ -68,16 +75,16 @@ def _kkt_inv_kernel(k, g, beta, G, Ai, T, H: tl.constexpr, K: tl.constexpr, BK: 
             _ld(k, r3, c, T, K, H * K)
         k0t, k1t, k2t = _ld_t(k, r0, c, T, K, H * K), _ld_t(k, r1, c, T, K, H * K), _ld_t(k, r2, c, T, K, H * K)
         k3t = _ld_t(k, r3, c, T, K, H * K)
-        A00 += tl.dot(k0, k0t)
-        A10 += tl.dot(k1, k0t)
-        A11 += tl.dot(k1, k1t)
-        A20 += tl.dot(k2, k0t)
-        A21 += tl.dot(k2, k1t)
-        A22 += tl.dot(k2, k2t)
-        A30 += tl.dot(k3, k0t)
-        A31 += tl.dot(k3, k1t)
-        A32 += tl.dot(k3, k2t)
-        A33 += tl.dot(k3, k3t)
+        A00 += tl.dot(k0, k0t, input_precision=PREC)
+        A10 += tl.dot(k1, k0t, input_precision=PREC)
+        A11 += tl.dot(k1, k1t, input_precision=PREC)
+        A20 += tl.dot(k2, k0t, input_precision=PREC)
+        A21 += tl.dot(k2, k1t, input_precision=PREC)
+        A22 += tl.dot(k2, k2t, input_precision=PREC)
+        A30 += tl.dot(k3, k0t, input_precision=PREC)
+        A31 += tl.dot(k3, k1t, input_precision=PREC)
+        A32 += tl.dot(k3, k2t, input_precision=PREC)
+        A33 += tl.dot(k3, k3t, input_precision=PREC)
     b0, b1, b2, b3 = _ld_vec(beta, r0, T, H), _ld_vec(beta, r1, T, H), _ld_vec(beta, r2, T, H), \
         _ld_vec(beta, r3, T, H)
     A00 = _gate_block(A00, G0, G0, b0, m0, m0, True)
@@ -94,12 +101,12 @@ def _kkt_inv_kernel(k, g, beta, G, Ai, T, H: tl.constexpr, K: tl.constexpr, BK: 
     X00, X11 = _inv_unit_lower16(A00), _inv_unit_lower16(A11)
     X22, X33 = _inv_unit_lower16(A22), _inv_unit_lower16(A33)
     # block forward substitution: X_ij = -X_ii sum_{j <= l < i} A_il X_lj
-    X10 = -tl.dot(X11, tl.dot(A10, X00))
-    X21 = -tl.dot(X22, tl.dot(A21, X11))
-    X20 = -tl.dot(X22, tl.dot(A20, X00) + tl.dot(A21, X10))
-    X32 = -tl.dot(X33, tl.dot(A32, X22))
-    X31 = -tl.dot(X33, tl.dot(A31, X11) + tl.dot(A32, X21))
-    X30 = -tl.dot(X33, tl.dot(A30, X00) + tl.dot(A31, X10) + tl.dot(A32, X20))
+    X10 = -_mm(X11, _mm(A10, X00, PREC), PREC)
+    X21 = -_mm(X22, _mm(A21, X11, PREC), PREC)
+    X20 = -_mm(X22, _mm(A20, X00, PREC) + _mm(A21, X10, PREC), PREC)
+    X32 = -_mm(X33, _mm(A32, X22, PREC), PREC)
+    X31 = -_mm(X33, _mm(A31, X11, PREC) + _mm(A32, X21, PREC), PREC)
+    X30 = -_mm(X33, _mm(A30, X00, PREC) + _mm(A31, X10, PREC) + _mm(A32, X20, PREC), PREC)
     zero = tl.zeros([16, 16], tl.float32)
     s = H * 64
     _st(Ai, r0, o, T, 16, s, X00)
@@ -123,7 +130,7 @@ def _kkt_inv_kernel(k, g, beta, G, Ai, T, H: tl.constexpr, K: tl.constexpr, BK: 
 @_tuned(['H', 'K', 'V'], [(4, 2), (8, 2)])
 @triton.jit
 def _wu_kernel(k, v, beta, G, Ai, w, u, T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-               BK: tl.constexpr, BV: tl.constexpr):
+               BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr):
     """w = Ai (beta e^G k), u = Ai (beta v) for one chunk; grid (NT, B*H)."""
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
@@ -136,18 +143,18 @@ def _wu_kernel(k, v, beta, G, Ai, w, u, T, H: tl.constexpr, K: tl.constexpr, V: 
         c = i_k * BK + tl.arange(0, BK)
         b_k = _ld(k + (bos * H + i_h) * K, r, c, T, K, H * K)
         b_kb = (b_k * (b_beta * b_eg)[:, None]).to(b_k.dtype)
-        _st(w + (bos * H + i_h) * K, r, c, T, K, H * K, tl.dot(b_A.to(b_k.dtype), b_kb))
+        _st(w + (bos * H + i_h) * K, r, c, T, K, H * K, tl.dot(b_A.to(b_k.dtype), b_kb, input_precision=PREC))
     for i_v in range(tl.cdiv(V, BV)):
         c = i_v * BV + tl.arange(0, BV)
         b_v = _ld(v + (bos * H + i_h) * V, r, c, T, V, H * V)
         b_vb = (b_v * b_beta[:, None]).to(b_v.dtype)
-        _st(u + (bos * H + i_h) * V, r, c, T, V, H * V, tl.dot(b_A.to(b_v.dtype), b_vb))
+        _st(u + (bos * H + i_h) * V, r, c, T, V, H * V, tl.dot(b_A.to(b_v.dtype), b_vb, input_precision=PREC))
 
 
 @_tuned(['H', 'K', 'V'], [(4, 2), (8, 1), (8, 2)])
 @triton.jit
 def _bwd_wy_kernel(k, v, beta, G, Ai, dw, du, dk_in, dG_in, dk, dv, dbeta, dg, T, H: tl.constexpr,
-                   K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+                   K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr):
     """Back through w = Ai (beta e^G k), u = Ai (beta v) and Ai = (I + A)^{-1}; adds dk_in, dG_in and turns the
     cumulative-gate gradient into dg by a reverse cumsum; grid (NT, B*H)."""
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
@@ -171,11 +178,11 @@ def _bwd_wy_kernel(k, v, beta, G, Ai, dw, du, dk_in, dG_in, dk, dv, dbeta, dg, T
         b_vt = _ld_t(v + (bos * H + i_h) * V, r, cv, T, V, H * V)
         b_du = _ld(du + (bos * H + i_h) * V, r, cv, T, V, H * V).to(b_v.dtype)
         b_dut = _ld_t(du + (bos * H + i_h) * V, r, cv, T, V, H * V).to(b_v.dtype)
-        b_dvb = tl.dot(b_At.to(b_v.dtype), b_du)
+        b_dvb = tl.dot(b_At.to(b_v.dtype), b_du, input_precision=PREC)
         _st(dv + (bos * H + i_h) * V, r, cv, T, V, H * V, b_dvb * b_beta[:, None])
         b_dbeta += tl.sum(b_dvb * b_v.to(tl.float32), 1)
-        b_dT += tl.dot(b_du, (b_vt * b_beta[None, :]).to(b_v.dtype))
-        b_dTt += tl.dot((b_v * b_beta[:, None]).to(b_v.dtype), b_dut)
+        b_dT += tl.dot(b_du, (b_vt * b_beta[None, :]).to(b_v.dtype), input_precision=PREC)
+        b_dTt += tl.dot((b_v * b_beta[:, None]).to(b_v.dtype), b_dut, input_precision=PREC)
     b_kk = tl.zeros([64, 64], tl.float32)
     for i_k in range(tl.cdiv(K, BK)):
         c = i_k * BK + tl.arange(0, BK)
@@ -184,18 +191,18 @@ def _bwd_wy_kernel(k, v, beta, G, Ai, dw, du, dk_in, dG_in, dk, dv, dbeta, dg, T
         b_dw = _ld(dw + (bos * H + i_h) * K, r, c, T, K, H * K).to(b_k.dtype)
         b_dwt = _ld_t(dw + (bos * H + i_h) * K, r, c, T, K, H * K).to(b_k.dtype)
         b_kb = b_k * (b_beta * b_eg)[:, None]
-        b_dkb = tl.dot(b_At.to(b_k.dtype), b_dw)
+        b_dkb = tl.dot(b_At.to(b_k.dtype), b_dw, input_precision=PREC)
         b_dbeta += tl.sum(b_dkb * b_k.to(tl.float32), 1) * b_eg
         b_dG += tl.sum(b_dkb * b_kb, 1)
-        b_dT += tl.dot(b_dw, (b_kt * (b_beta * b_eg)[None, :]).to(b_k.dtype))
-        b_dTt += tl.dot(b_kb.to(b_k.dtype), b_dwt)
-        b_kk += tl.dot(b_k, b_kt)
+        b_dT += tl.dot(b_dw, (b_kt * (b_beta * b_eg)[None, :]).to(b_k.dtype), input_precision=PREC)
+        b_dTt += tl.dot(b_kb.to(b_k.dtype), b_dwt, input_precision=PREC)
+        b_kk += tl.dot(b_k, b_kt, input_precision=PREC)
     # dA = -Ai^T dAi Ai^T and its transpose -Ai dAi^T Ai, both computed directly
     lower = (r[:, None] > r[None, :]) & valid[:, None] & valid[None, :]
     upper = (r[:, None] < r[None, :]) & valid[:, None] & valid[None, :]
-    b_dA = -tl.dot(tl.dot(b_At, b_dT), b_At)
+    b_dA = -tl.dot(tl.dot(b_At, b_dT, input_precision=PREC), b_At, input_precision=PREC)
     b_dA = tl.where(lower, b_dA * tl.exp(b_G[:, None] - b_G[None, :]), 0.0)
-    b_dAt = -tl.dot(tl.dot(b_A, b_dTt), b_A)
+    b_dAt = -tl.dot(tl.dot(b_A, b_dTt, input_precision=PREC), b_A, input_precision=PREC)
     b_dAt = tl.where(upper, b_dAt * tl.exp(b_G[None, :] - b_G[:, None]), 0.0)
     b_x = b_dA * b_kk
     b_dbeta += tl.sum(b_x, 1)
@@ -205,9 +212,9 @@ def _bwd_wy_kernel(k, v, beta, G, Ai, dw, du, dk_in, dG_in, dk, dv, dbeta, dg, T
         b_k = _ld(k + (bos * H + i_h) * K, r, c, T, K, H * K)
         b_dw = _ld(dw + (bos * H + i_h) * K, r, c, T, K, H * K).to(b_k.dtype)
         b_dk = _ld(dk_in + (bos * H + i_h) * K, r, c, T, K, H * K).to(tl.float32)
-        b_dk += tl.dot(b_At.to(b_k.dtype), b_dw) * (b_beta * b_eg)[:, None]
-        b_dk += tl.dot(b_dA.to(b_k.dtype), b_k) * b_beta[:, None]
-        b_dk += tl.dot(b_dAt.to(b_k.dtype), (b_k * b_beta[:, None]).to(b_k.dtype))
+        b_dk += tl.dot(b_At.to(b_k.dtype), b_dw, input_precision=PREC) * (b_beta * b_eg)[:, None]
+        b_dk += tl.dot(b_dA.to(b_k.dtype), b_k, input_precision=PREC) * b_beta[:, None]
+        b_dk += tl.dot(b_dAt.to(b_k.dtype), (b_k * b_beta[:, None]).to(b_k.dtype), input_precision=PREC)
         _st(dk + (bos * H + i_h) * K, r, c, T, K, H * K, b_dk)
     tl.store(dbeta + bos * H + i_h + r * H, b_dbeta.to(dbeta.dtype.element_ty), mask=valid)
     b_dg = tl.cumsum(b_dG, 0, reverse=True)
@@ -220,7 +227,7 @@ def _wy_fwd(k, v, g, beta):
     NT = triton.cdiv(T, BT)
     G = torch.empty(B, T, H, device=k.device, dtype=torch.float32)
     Ai = torch.empty(B, T, H, BT, device=k.device, dtype=torch.float32)
-    _kkt_inv_kernel[(NT, B * H)](k, g, beta, G, Ai, T, H=H, K=K, BK=_chunk_bk(K, k.device))
+    _kkt_inv_kernel[(NT, B * H)](k, g, beta, G, Ai, T, H=H, K=K, BK=_chunk_bk(K, k.device), PREC=dot_precision(k))
     return G, Ai
 
 
@@ -229,5 +236,5 @@ def _recompute_wu(k, v, beta, G, Ai):
     V = v.shape[-1]
     w, u = torch.empty_like(k), torch.empty_like(v)
     _wu_kernel[(triton.cdiv(T, BT), B * H)](k, v, beta, G, Ai, w, u, T, H=H, K=K, V=V, BK=_chunk_bk(K, k.device),
-                                            BV=_loop_bv(V, k.dtype))
+                                            BV=_loop_bv(V, k.dtype), PREC=dot_precision(k))
     return w, u
