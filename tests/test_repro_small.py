@@ -118,7 +118,8 @@ def test_missing_data_and_bad_models_one_line(tmp_path, capsys):
 @pytest.mark.slow
 def test_repro_small_stops_at_its_deadline_and_the_same_command_continues(data_dir, tmp_path, capsys, monkeypatch):
     """--deadline-s ends training in time (SIGTERM: the trainer saves and exits 3) and the same command again
-    finishes it and evaluates, as two device calls on a warm machine would."""
+    finishes it and evaluates, as two device calls on a warm machine would. A call cut during the recall stage
+    still leaves the training and perplexity results."""
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     tool = _tool()
     steps, results = 16, str(tmp_path / "results" / "repro")
@@ -128,6 +129,18 @@ def test_repro_small_stops_at_its_deadline_and_the_same_command_continues(data_d
     err = capsys.readouterr().err
     assert "stopped at --deadline-s 15: S not finished" in err and "run the same command again" in err, err
     assert not os.path.exists(results + ".json")
+
+    def cut(*_args):  # the device call ends during the recall stage
+        raise tool.UserError("recall cut short")
+
+    monkeypatch.setattr(tool, "recall_all", cut)
+    assert tool.main(argv) == 2
+    assert "recall cut short" in capsys.readouterr().err
+    kept = json.load(open(results + ".json"))  # training and perplexity are kept for --recall-only
+    assert kept["models"]["S"]["recall"] == [] and kept["meta"]["mqar_steps"] is None
+    assert "not measured yet" in open(results + ".md").read()
+    monkeypatch.undo()
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
     assert tool.main(argv) == 0, capsys.readouterr()
     assert json.load(open(results + ".json"))["models"]["S"]["train"]["steps"] == steps
     assert "zero-shot on the language models" in open(results + ".md").read()

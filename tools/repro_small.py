@@ -17,7 +17,8 @@ Usage: python tools/repro_small.py --data-dir data/wikipedia-en --tokens 2500000
        time (checkpoints saved, exit 3) and the same command continues it, so a budget longer than one device call
        runs over several calls on a warm machine. Recall runs --parallel models at once too. --recall-only measures
        the recall of fresh MQAR-trained models alone (no checkpoint needed) and merges it into the existing
-       RESULTS.json: for a run whose device time ended before its recall stage.
+       RESULTS.json: for a run whose device time ended before or during its recall stage (RESULTS.json is written
+       with training and perplexity before that stage starts).
 """
 import argparse
 import json
@@ -152,18 +153,14 @@ def cli(argv: list) -> None:
         raise UserError(f"megahybrid {' '.join(argv[:2])} failed with exit {code}")
 
 
-def evaluate(labels: list, files: dict, run_root: str, seq: int, mqar_steps: int, parallel: int,
-             mqar_batch: int | None) -> dict:
-    """eval ppl of every model on one plot (buckets seq/4 .. 4 seq), then eval recall of each architecture."""
+def evaluate_ppl(labels: list, files: dict, run_root: str, seq: int) -> dict:
+    """eval ppl of every model on one plot (buckets seq/4 .. 4 seq): {label: its result}."""
     ckpts = [os.path.join(run_root, label, "checkpoints") for label in labels]
     lengths = ",".join(str(n) for n in (seq // 4, seq // 2, seq, 2 * seq, 4 * seq))
     ppl_dir = os.path.join(run_root, "eval-ppl")
     cli(["eval", "ppl", "--checkpoint", *ckpts, "--data", files["valid"], "--lengths", lengths,
          "--tokens", str(32 * 4 * seq), "--out", ppl_dir])
-    ppl = json.load(open(os.path.join(ppl_dir, "ppl.json")))["results"]
-    recall = recall_all(labels, run_root, seq, mqar_steps, parallel, mqar_batch)
-    return {"ppl": dict(zip(labels, ppl)), "recall": recall, "mqar_steps": mqar_steps,
-            "plot": os.path.join(ppl_dir, "ppl.png")}
+    return dict(zip(labels, json.load(open(os.path.join(ppl_dir, "ppl.json")))["results"]))
 
 
 def recall_all(labels: list, run_root: str, seq: int, mqar_steps: int, parallel: int, mqar_batch: int | None) -> dict:
@@ -203,7 +200,8 @@ def recall_one(label: str, run_root: str, seq: int, mqar_steps: int, mqar_batch:
     return json.load(open(os.path.join(out, "recall.json")))["rows"]
 
 
-def record(labels: list, files: dict, tokens: int, run_root: str, evals: dict, mqar_batch: int | None) -> dict:
+def record(labels: list, files: dict, tokens: int, run_root: str, ppl: dict) -> dict:
+    """Training, parameters and perplexity of every model; recall pending (merge_recall adds it)."""
     import torch
 
     from megahybrid.outputs import git_commit
@@ -216,15 +214,13 @@ def record(labels: list, files: dict, tokens: int, run_root: str, evals: dict, m
         model = preset(cfg.model.preset, **cfg.model.overrides)
         models[label] = {"pattern": model.pattern, "parameters": count_parameters(model),
                          "tokens": cfg.train.steps * cfg.batch.global_batch_size * model.seq_length,
-                         "train": training_record(cfg.run_dir), "ppl_buckets": evals["ppl"][label]["buckets"],
-                         "recall": evals["recall"][label]}
+                         "train": training_record(cfg.run_dir), "ppl_buckets": ppl[label]["buckets"], "recall": []}
     available = dataset_tokens(files["train"])
     return {"meta": {"date": time.strftime("%Y-%m-%d"), "commit": git_commit(),
                      "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
                      "config": CONFIG, "data": os.path.dirname(files["train"]), "tokens_requested": tokens,
                      "train_tokens_available": available, "epochs": tokens / available,
-                     "train_length": model.seq_length, "mqar_steps": evals["mqar_steps"],
-                     "mqar_batch": mqar_batch},
+                     "train_length": model.seq_length, "mqar_steps": None, "mqar_batch": None},
             "models": models}
 
 
@@ -317,9 +313,10 @@ def run(args) -> int:
         print(f"stopped at --deadline-s {args.deadline_s:g}: {','.join(unfinished)} not finished (checkpoints "
               f"saved in {run_root}); run the same command again to continue", file=sys.stderr, flush=True)
         return EXIT_REQUEUE
-    evals = evaluate(labels, files, run_root, seq, args.mqar_steps, args.parallel, args.mqar_batch)
-    write(args.results, record(labels, files, args.tokens, run_root, evals, args.mqar_batch))
+    result = record(labels, files, args.tokens, run_root, evaluate_ppl(labels, files, run_root, seq))
+    write(args.results, result)  # before the recall stage: a call that ends during it keeps this (--recall-only)
     shutil.copyfile(os.path.join(run_root, "eval-ppl", "ppl.png"), args.results + ".png")
+    merge_recall(args, result, recall_all(labels, run_root, seq, args.mqar_steps, args.parallel, args.mqar_batch))
     return 0
 
 
@@ -348,19 +345,18 @@ def recall_only(args, result: dict, labels: list, overrides: dict, run_root: str
             os.makedirs(os.path.dirname(config), exist_ok=True)
             with open(config, "w") as f:
                 f.write(load_config(CONFIG, overrides[label]).to_yaml())
-    recall = recall_all(labels, run_root, seq, args.mqar_steps, args.parallel, args.mqar_batch)
-    for label in labels:
-        result["models"][label]["recall"] = recall[label]
-    result["meta"].update(mqar_steps=args.mqar_steps, mqar_batch=args.mqar_batch, recall_commit=_commit(),
-                          recall_date=time.strftime("%Y-%m-%d"))
-    write(args.results, result)
+    merge_recall(args, result, recall_all(labels, run_root, seq, args.mqar_steps, args.parallel, args.mqar_batch))
     return 0
 
 
-def _commit() -> str:
+def merge_recall(args, result: dict, recall: dict) -> None:
     from megahybrid.outputs import git_commit
 
-    return git_commit()
+    for label, rows in recall.items():
+        result["models"][label]["recall"] = rows
+    result["meta"].update(mqar_steps=args.mqar_steps, mqar_batch=args.mqar_batch, recall_commit=git_commit(),
+                          recall_date=time.strftime("%Y-%m-%d"))
+    write(args.results, result)
 
 
 def write(path: str, result: dict) -> None:
