@@ -34,7 +34,7 @@ def present(t: torch.Tensor | None) -> torch.Tensor | None:
 # tl.dot's input_precision for fp32 operands on the GPU, in every op. tf32x3 (three TF32 products per dot, error
 # ~1e-6 relative) runs on tensor cores; "ieee" (full fp32 FMA) took minutes to build for the Interdomain readout
 # kernels; plain "tf32" (~1e-3) is too coarse for the fp32 reference checks. tools/bench_dot_precision.py measures
-# the three per op (error against fp64, time, build time): tools/results/dot-precision.md.
+# the three per op (error against the fp32 reference, time, build time) into tools/results/dot-precision.md.
 FP32_DOT_DEFAULT = "tf32x3"
 FP32_DOT_CHOICES = ("tf32", "tf32x3", "ieee")
 FP32_DOT_ENV = "MEGAHYBRID_FP32_DOT"  # a process-wide override, so that the benchmark compares the choices

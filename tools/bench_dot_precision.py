@@ -13,9 +13,7 @@ model.precision=fp32 run pass; bf16 training is unaffected (its dots keep Triton
     python tools/bench_dot_precision.py --ops gdn --choices tf32x3 --T 128    # one row
 """
 import argparse
-import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -25,7 +23,6 @@ sys.path.insert(0, os.path.dirname(TOOLS))
 sys.path.insert(0, TOOLS)
 
 OPS = ("interdomain", "attention", "gdn")
-ROW_MARK = "PRECISION_ROW "
 
 
 def _rand(*shape, scale=1.0, device):
@@ -128,18 +125,12 @@ def run_child(op: str, args) -> dict:
 
 def run_row(op: str, choice: str, argv: list, timeout: float) -> dict:
     """A fresh process with an empty Triton cache, so that build_s is a cold build."""
+    from benchutil import child_row
+
     with tempfile.TemporaryDirectory() as cache:
         env = dict(os.environ, MEGAHYBRID_FP32_DOT=choice, TRITON_CACHE_DIR=cache)
-        cmd = [sys.executable, os.path.abspath(__file__), *argv, "--child", op]
-        try:
-            out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-        except subprocess.TimeoutExpired:
-            return {"op": op, "choice": choice, "status": f"timeout after {timeout:.0f} s"}
-    for line in out.stdout.splitlines():
-        if line.startswith(ROW_MARK):
-            return {**json.loads(line[len(ROW_MARK):]), "status": "ok"}
-    tail = (out.stderr.strip().splitlines() or ["no output"])[-1]
-    return {"op": op, "choice": choice, "status": f"failed: {tail[:200]}"}
+        found, status, _ = child_row([sys.executable, os.path.abspath(__file__), *argv, "--child", op], timeout, env)
+    return {**found, "status": "ok"} if found else {"op": op, "choice": choice, "status": status}
 
 
 def parse_args(argv=None):
@@ -159,7 +150,9 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.child:
-        print(ROW_MARK + json.dumps(run_child(args.child, args)), flush=True)
+        from benchutil import print_row
+
+        print_row(run_child(args.child, args))
         return 0
     from benchutil import format_table, save_results
     from megahybrid_kernels._triton import FP32_DOT_CHOICES, FP32_DOT_DEFAULT

@@ -27,7 +27,6 @@ first row. Results: tools/results/NAME.{json,md} (--name, default bench_train; d
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -37,7 +36,6 @@ sys.path.insert(0, os.path.dirname(TOOLS))
 sys.path.insert(0, TOOLS)
 
 DATASHEET_TFLOPS = 989.0
-ROW_MARK = "BENCH_ROW "
 RECOMPUTE = {
     "none": {},
     "selective": {"recompute": "selective"},
@@ -194,26 +192,18 @@ def _child_env() -> dict:
 
 def run_row(row: dict, argv: list[str], timeout: float) -> dict:
     """One row in a fresh process; a failure or timeout becomes the row's status (the other rows still run)."""
+    from benchutil import child_row
+
     cmd = [sys.executable, os.path.abspath(__file__), *argv, "--child", json.dumps(row)]
-    try:
-        out = subprocess.run(cmd, env=_child_env(), capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return {**row, "status": f"timeout after {timeout:.0f} s"}
-    for line in out.stdout.splitlines():
-        if line.startswith(ROW_MARK):
-            start = out.stderr.find("profile of 2 steps")
-            if start >= 0:
-                print(out.stderr[start:], file=sys.stderr)
-            return json.loads(line[len(ROW_MARK):])
-    print(out.stderr[-4000:], file=sys.stderr)
-    return {**row, "status": f"exit {out.returncode}: {_failure_line(out.stderr or out.stdout)[:300]}"}
-
-
-def _failure_line(text: str) -> str:
-    """The exception line of a failed row (the last line naming an Error), not the warnings printed after it."""
-    lines = [line for line in text.strip().splitlines() if line.strip()]
-    errors = [line for line in lines if "Error" in line or "Exception" in line]
-    return (errors or lines or ["no output"])[-1]
+    found, status, stderr = child_row(cmd, timeout, _child_env())
+    if found is None:
+        if stderr:
+            print(stderr[-4000:], file=sys.stderr)
+        return {**row, "status": status}
+    start = stderr.find("profile of 2 steps")
+    if start >= 0:
+        print(stderr[start:], file=sys.stderr)
+    return found
 
 
 def parse_args(argv=None):
@@ -250,7 +240,9 @@ def _shared_argv(args) -> list[str]:
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.child:
-        print(ROW_MARK + json.dumps(run_child(json.loads(args.child), args)), flush=True)
+        from benchutil import print_row
+
+        print_row(run_child(json.loads(args.child), args))
         return 0
     from benchutil import format_table, save_results
 

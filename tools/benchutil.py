@@ -2,6 +2,7 @@
 import datetime
 import json
 import os
+import subprocess
 from pathlib import Path
 
 import torch
@@ -9,6 +10,7 @@ import torch
 from megahybrid.outputs import git_commit
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
+ROW_MARK = "BENCH_ROW "  # how a benchmark's child process hands its row to the parent (print_row, child_row)
 
 
 def gpu_name() -> str:
@@ -94,3 +96,29 @@ def save_results(name: str, rows: list[dict], extra: dict | None = None, results
         for path in paths.values():
             Path(out_dir, path.name).write_text(path.read_text())
     return paths[".md"]
+
+
+def print_row(row: dict) -> None:
+    """A child process's result, on stdout for child_row."""
+    print(ROW_MARK + json.dumps(row), flush=True)
+
+
+def child_row(cmd: list, timeout: float, env: dict | None = None) -> tuple[dict | None, str, str]:
+    """cmd, a benchmark re-running itself for one row, in a fresh process (a clean GPU; a fault or a hang stays in
+    it): (the row it printed with print_row, or None; the failure as a status: the timeout, or the exit code and
+    exception line; its stderr)."""
+    try:
+        out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return None, f"timeout after {timeout:.0f} s", ""
+    for line in out.stdout.splitlines():
+        if line.startswith(ROW_MARK):
+            return json.loads(line[len(ROW_MARK):]), "ok", out.stderr
+    return None, f"exit {out.returncode}: {failure_line(out.stderr or out.stdout)[:300]}", out.stderr
+
+
+def failure_line(text: str) -> str:
+    """The exception line of a failed row (the last line naming an Error), not the warnings printed after it."""
+    lines = [line for line in text.strip().splitlines() if line.strip()]
+    errors = [line for line in lines if "Error" in line or "Exception" in line]
+    return (errors or lines or ["no output"])[-1]

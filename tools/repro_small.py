@@ -89,47 +89,62 @@ class Unfinished(Exception):
     """A training run stopped at the deadline (it saved a checkpoint; the same command resumes it)."""
 
 
-def train(label: str, overrides: list, run_root: str, gpu: int | None, deadline: float | None) -> None:
-    """One `megahybrid train` process (fresh process groups and GPU memory per model); its log in the run dir.
-    At the deadline (time.monotonic()) it gets SIGTERM, saves a checkpoint and exits with EXIT_REQUEUE."""
-    from megahybrid.train.signals import EXIT_REQUEUE
-
-    run_dir = os.path.join(run_root, label)
-    os.makedirs(run_dir, exist_ok=True)
+def megahybrid_process(argv: list, log: str, gpu: int | None, deadline: float | None = None) -> int:
+    """`python -m megahybrid ARGV` in a process of its own (fresh process groups and GPU memory) on GPU `gpu`,
+    appending its output to `log` (a resumed run continues its log); its exit code. At the deadline
+    (time.monotonic()) it gets SIGTERM: the trainer saves a checkpoint and exits with EXIT_REQUEUE."""
     env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
     if gpu is not None:
         env["CUDA_VISIBLE_DEVICES"] = str(gpu)
-    log = os.path.join(run_dir, "train.log")
-    with open(log, "a") as f:  # a resumed run appends to its log
-        proc = subprocess.Popen([sys.executable, "-m", "megahybrid", "train", "--config", CONFIG, *overrides],
-                                stdout=f, stderr=subprocess.STDOUT, env=env, cwd=REPO)
+    with open(log, "a") as f:
+        proc = subprocess.Popen([sys.executable, "-m", "megahybrid", *argv], stdout=f, stderr=subprocess.STDOUT,
+                                env=env, cwd=REPO)
         try:
-            code = proc.wait(timeout=None if deadline is None else max(1.0, deadline - time.monotonic()))
+            return proc.wait(timeout=None if deadline is None else max(1.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             proc.send_signal(signal.SIGTERM)
-            code = proc.wait()
-    print(f"{label}: trained (exit {code}), log {log}", flush=True)
-    if code == EXIT_REQUEUE:
-        raise Unfinished(label)
-    if code:
-        tail = open(log).read().strip().splitlines()[-5:]
-        raise UserError(f"training {label} failed with exit {code}: {' | '.join(tail)}")
+            return proc.wait()
 
 
-def train_all(labels: list, overrides: dict, run_root: str, parallel: int, deadline: float | None) -> list:
-    """Trains every model; returns the labels stopped at the deadline (none when all finished)."""
+def failed(what: str, code: int, log: str, lines: int) -> UserError:
+    tail = open(log).read().strip().splitlines()[-lines:]
+    return UserError(f"{what} failed with exit {code}: {' | '.join(tail)}")
+
+
+def on_gpus(labels: list, parallel: int, fn) -> dict:
+    """fn(label, gpu) for every label, `parallel` at once, spread over the GPUs (None without one); the finished
+    futures by label."""
     import torch
 
     gpus = torch.cuda.device_count()
     with ThreadPoolExecutor(max_workers=parallel) as pool:
-        jobs = {label: pool.submit(train, label, overrides[label], run_root, i % gpus if gpus else None, deadline)
-                for i, label in enumerate(labels)}
-        unfinished = []
-        for label, job in jobs.items():
-            try:
-                job.result()
-            except Unfinished:
-                unfinished.append(label)
+        return {label: pool.submit(fn, label, i % gpus if gpus else None) for i, label in enumerate(labels)}
+
+
+def train(label: str, overrides: list, run_root: str, gpu: int | None, deadline: float | None) -> None:
+    """One `megahybrid train` run, its log in the run dir; Unfinished when stopped at the deadline."""
+    from megahybrid.train.signals import EXIT_REQUEUE
+
+    run_dir = os.path.join(run_root, label)
+    os.makedirs(run_dir, exist_ok=True)
+    log = os.path.join(run_dir, "train.log")
+    code = megahybrid_process(["train", "--config", CONFIG, *overrides], log, gpu, deadline)
+    print(f"{label}: trained (exit {code}), log {log}", flush=True)
+    if code == EXIT_REQUEUE:
+        raise Unfinished(label)
+    if code:
+        raise failed(f"training {label}", code, log, 5)
+
+
+def train_all(labels: list, overrides: dict, run_root: str, parallel: int, deadline: float | None) -> list:
+    """Trains every model; returns the labels stopped at the deadline (none when all finished)."""
+    jobs = on_gpus(labels, parallel, lambda label, gpu: train(label, overrides[label], run_root, gpu, deadline))
+    unfinished = []
+    for label, job in jobs.items():
+        try:
+            job.result()
+        except Unfinished:
+            unfinished.append(label)
     return unfinished
 
 
@@ -164,16 +179,11 @@ def evaluate_ppl(labels: list, files: dict, run_root: str, seq: int) -> dict:
 
 
 def recall_all(labels: list, run_root: str, seq: int, mqar_steps: int, parallel: int, mqar_batch: int | None) -> dict:
-    """eval recall of each architecture, `parallel` at once (one process each, spread over the GPUs): a fresh model
-    of its run config trained on MQAR for mqar_steps (at mqar_batch sequences per step; default the run's batch),
-    or (mqar_steps 0) its trained language model zero-shot."""
-    import torch
-
-    gpus = torch.cuda.device_count()
-    with ThreadPoolExecutor(max_workers=parallel) as pool:
-        jobs = {label: pool.submit(recall_one, label, run_root, seq, mqar_steps, mqar_batch,
-                                   i % gpus if gpus else None) for i, label in enumerate(labels)}
-        return {label: job.result() for label, job in jobs.items()}
+    """eval recall of each architecture, `parallel` at once: a fresh model of its run config trained on MQAR for
+    mqar_steps (at mqar_batch sequences per step; default the run's batch), or (mqar_steps 0) its trained language
+    model zero-shot."""
+    jobs = on_gpus(labels, parallel, lambda label, gpu: recall_one(label, run_root, seq, mqar_steps, mqar_batch, gpu))
+    return {label: job.result() for label, job in jobs.items()}
 
 
 def recall_one(label: str, run_root: str, seq: int, mqar_steps: int, mqar_batch: int | None, gpu: int | None) -> list:
@@ -185,17 +195,11 @@ def recall_one(label: str, run_root: str, seq: int, mqar_steps: int, mqar_batch:
     else:
         source = ["--checkpoint", os.path.join(run_root, label, "checkpoints")]
     os.makedirs(out, exist_ok=True)
-    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    if gpu is not None:
-        env["CUDA_VISIBLE_DEVICES"] = str(gpu)
     log = os.path.join(out, "recall.log")
-    with open(log, "w") as f:
-        code = subprocess.run([sys.executable, "-m", "megahybrid", "eval", "recall", "--lengths",
-                               f"{seq // 4},{seq // 2},{seq}", "--keys", ",".join(map(str, MQAR_KEYS)), "--out", out,
-                               *source], stdout=f, stderr=subprocess.STDOUT, env=env, cwd=REPO).returncode
+    code = megahybrid_process(["eval", "recall", "--lengths", f"{seq // 4},{seq // 2},{seq}", "--keys",
+                               ",".join(map(str, MQAR_KEYS)), "--out", out, *source], log, gpu)
     if code:
-        tail = open(log).read().strip().splitlines()[-3:]
-        raise UserError(f"eval recall of {label} failed with exit {code}: {' | '.join(tail)}")
+        raise failed(f"eval recall of {label}", code, log, 3)
     print(f"{label}: recall measured, log {log}", flush=True)
     return json.load(open(os.path.join(out, "recall.json")))["rows"]
 
