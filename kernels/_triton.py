@@ -31,27 +31,33 @@ def present(t: torch.Tensor | None) -> torch.Tensor | None:
     return None if t is None or t.numel() == 0 else t
 
 
-# tl.dot's input_precision for fp32 operands on the GPU, in every op. tf32x3 (three TF32 products per dot, error
-# ~1e-6 relative) runs on tensor cores; "ieee" (full fp32 FMA) took minutes to build for the Interdomain readout
-# kernels; plain "tf32" (~1e-3) is too coarse for the fp32 reference checks. tools/bench_dot_precision.py measures
-# the three per op (error against the fp32 reference, time, build time) into tools/results/dot-precision.md.
-FP32_DOT_DEFAULT = "tf32x3"
+# tl.dot's input_precision for fp32 operands on the GPU, per op, chosen by tools/bench_dot_precision.py on the H200
+# (tools/results/dot-precision.md: error of the output and every gradient against the op's fp32 reference, time,
+# cold build time). tf32x3 (three TF32 products per dot) matches "ieee" to ~1e-5 for interdomain and ~6e-7 for the
+# selected attention, runs as fast or faster and builds 4x sooner; plain "tf32" errs ~2e-3. The GDN kernels keep
+# "tf32", Triton's default, the build every earlier GPU check verified: with tf32x3, Triton 3.6 on Hopper builds
+# _fwd_h_kernel into an illegal memory access at every head size (measured at 6e98327).
+FP32_DOT_DEFAULT = {"interdomain": "tf32x3", "attention": "tf32x3", "gdn": "tf32"}
 FP32_DOT_CHOICES = ("tf32", "tf32x3", "ieee")
+FP32_DOT_FAULTS = {"gdn": ("tf32x3",)}  # choices measured to fault on the GPU, refused with a one-line error
 FP32_DOT_ENV = "MEGAHYBRID_FP32_DOT"  # a process-wide override, so that the benchmark compares the choices
 
 
-def dot_precision(t: torch.Tensor) -> str:
-    """tl.dot input_precision for operands of t's dtype. Half types: "tf32", Triton's default, which only affects
-    the dots whose operands are fp32 intermediates (kept as they were built and measured). fp32 inputs: exact
-    "ieee" in the interpreter (numpy computes it anyway), FP32_DOT_DEFAULT on the GPU unless MEGAHYBRID_FP32_DOT
-    names another choice."""
+def dot_precision(t: torch.Tensor, op: str) -> str:
+    """tl.dot input_precision for `op`'s operands of t's dtype. Half types: "tf32", Triton's default, which only
+    affects the dots whose operands are fp32 intermediates (kept as they were built and measured). fp32 inputs:
+    exact "ieee" in the interpreter (numpy computes it anyway), FP32_DOT_DEFAULT[op] on the GPU unless
+    MEGAHYBRID_FP32_DOT names another choice."""
     if t.dtype != torch.float32:
         return "tf32"
     if interpreting():
         return "ieee"
-    choice = os.environ.get(FP32_DOT_ENV, FP32_DOT_DEFAULT)
+    choice = os.environ.get(FP32_DOT_ENV, FP32_DOT_DEFAULT[op])
     if choice not in FP32_DOT_CHOICES:
         raise ValueError(f"{FP32_DOT_ENV}={choice!r}: choose one of {', '.join(FP32_DOT_CHOICES)}")
+    if choice in FP32_DOT_FAULTS.get(op, ()):
+        raise ValueError(f"{FP32_DOT_ENV}={choice}: the {op} kernels fault on the GPU with it (Triton 3.6, "
+                         f"tools/results/dot-precision.md); unset it or choose {FP32_DOT_DEFAULT[op]}")
     return choice
 
 

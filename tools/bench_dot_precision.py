@@ -6,8 +6,8 @@ with an empty Triton cache (so that build_s is the cold compile and autotune tim
             (naive.py on the same GPU, torch matmuls without TF32);
   fwd_bwd_ms  median forward + backward time (CUDA events);
   build_s   the first call's wall time.
-kernels/_triton.py's FP32_DOT_DEFAULT is the choice these rows justify. fp32 inputs are what the kernel tests and a
-model.precision=fp32 run pass; bf16 training is unaffected (its dots keep Triton's default).
+kernels/_triton.py's FP32_DOT_DEFAULT holds the choice per op these rows justify. fp32 inputs are what the kernel
+tests and a model.precision=fp32 run pass; bf16 training is unaffected (its dots keep Triton's default).
 
     python tools/bench_dot_precision.py                 # GPU: three ops x three choices, writes dot-precision.{json,md}
     python tools/bench_dot_precision.py --ops gdn --choices tf32x3 --T 128    # one row
@@ -118,7 +118,7 @@ def run_child(op: str, args) -> dict:
               for a, e in zip(got, ref)]
     ms = time_ms(lambda: fwd_bwd(inputs, run, do), grad_to_none=inputs) if device == "cuda" else float("nan")
     names = ["o"] + [f"d{i}" for i in range(len(inputs))]
-    return {"op": op, "choice": dot_precision(inputs[0].detach()), "shape": f"{args.B}x{args.T}x{args.H}x{args.D}",
+    return {"op": op, "choice": dot_precision(inputs[0].detach(), op), "shape": f"{args.B}x{args.T}x{args.H}x{args.D}",
             "err_max": max(errors), "fwd_bwd_ms": ms, "build_s": build_s,
             "errors": " ".join(f"{n}={e:.1e}" for n, e in zip(names, errors))}
 
@@ -168,7 +168,8 @@ def main(argv=None) -> int:
         for choice in choices:
             rows.append(run_row(op, choice, shared, args.row_timeout_s))
             print(format_table(rows[-1:]), flush=True)
-    path = save_results("dot-precision", rows, {"default": FP32_DOT_DEFAULT}, args.results_dir)
+            # after every row: a device call that ends mid-way keeps the rows it measured
+            path = save_results("dot-precision", rows, {"default": FP32_DOT_DEFAULT}, args.results_dir)
     print(format_table(rows))
     print(f"written {path}")
     return 0 if all(r["status"] == "ok" for r in rows) else 1

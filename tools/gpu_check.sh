@@ -19,9 +19,9 @@ run_tests() {  # NAME PATHS...: stops at 290 s with a summary (SIGINT), the log 
     "$@" 2>&1 | tee "${OUT:-/tmp}/gpu-tests-$name.log" | grep -E "^(FAILED|ERROR)|Timeout|passed|failed"
 }
 
-if [ "$mode" = pending ]; then  # what changed since its last H200 run (d9471ac, session 9): every op's fp32 dots
-  # now take one shared precision (kernels/_triton.py dot_precision): the GDN kernels gained a PREC argument on
-  # every tl.dot (Triton's default tf32 before), the selected attention's fp32 dots went from ieee to tf32x3
+if [ "$mode" = pending ]; then  # what changed since its last H200 run (6e98327, session 10): fp32 dots take a
+  # precision per op (kernels/_triton.py); the GDN kernels are back on tf32 (tf32x3 faulted in _fwd_h_kernel), the
+  # selected attention's fp32 dots moved from ieee to tf32x3; the attention's interpreter flag reads TRITON_INTERPRET
   run_tests pending tests/kernels/test_nats_gdn.py tests/kernels/test_nats_attention.py \
     tests/kernels/test_interdomain.py tests/kernels/test_custom_ops.py
 fi

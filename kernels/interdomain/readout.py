@@ -513,7 +513,7 @@ def tiles(q, v, b, plan: InterdomainPlan = DEFAULT_PLAN) -> dict:
     lo_m, lo_d = (16, 16) if interpreting() else plan.gpu_min_tile
     return dict(K=q.shape[-1], V=v.shape[-1], BM=next_pow2(b.shape[1], lo_m),
                 BK=min(next_pow2(q.shape[-1], lo_d), 64), BV=min(next_pow2(v.shape[-1], lo_d), 64),
-                PREC=dot_precision(q))
+                PREC=dot_precision(q, "interdomain"))
 
 
 def _grid_and_dims(q, b, C):

@@ -379,8 +379,8 @@ def scan(z, b, pw, decay, C, c=None, x0=None, rev=False, starts=None, plan: Inte
         _scan_kernel[grid](z_ptr=z, c_ptr=c if c is not None else z, b_ptr=b, pw_ptr=pw,
                            x0_ptr=start if start is not None else z, xb_ptr=xb, xf_ptr=xf, T=T, NC=NC, H=H, D=D,
                            M=M, NS=NS, SEG=seg, C=C, BM=BM, BD=BD, PER_TOKEN=c is not None,
-                           HAS_INIT=start is not None, REV=rev, PREC=dot_precision(z), HOIST=hoist, STORE=store,
-                           INTERPRET=interpreting(), num_warps=plan.warps("scan"))
+                           HAS_INIT=start is not None, REV=rev, PREC=dot_precision(z, "interdomain"), HOIST=hoist,
+                           STORE=store, INTERPRET=interpreting(), num_warps=plan.warps("scan"))
 
     if NS == 1:
         run(x0, True)

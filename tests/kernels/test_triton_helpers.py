@@ -41,20 +41,26 @@ def test_no_fitting_pipeline_is_a_one_line_value_error(monkeypatch):
     assert "\n" not in str(e.value)
 
 
-def test_one_dot_precision_for_every_op(monkeypatch):
-    """Half inputs keep Triton's default; fp32 gets exact products in the interpreter and the shared choice on the
-    GPU, which MEGAHYBRID_FP32_DOT overrides (how tools/bench_dot_precision.py compares the choices)."""
+def test_dot_precision_per_op(monkeypatch):
+    """Half inputs keep Triton's default; fp32 gets exact products in the interpreter and each op's measured choice
+    on the GPU, which MEGAHYBRID_FP32_DOT overrides (how tools/bench_dot_precision.py compares the choices), except
+    with a choice measured to fault that op's kernels."""
     half, full = torch.zeros(1, dtype=torch.bfloat16), torch.zeros(1)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    assert (_triton.dot_precision(half), _triton.dot_precision(full)) == ("tf32", "ieee")
+    assert (_triton.dot_precision(half, "gdn"), _triton.dot_precision(full, "gdn")) == ("tf32", "ieee")
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     monkeypatch.delenv(_triton.FP32_DOT_ENV, raising=False)
-    assert _triton.dot_precision(full) == _triton.FP32_DOT_DEFAULT == "tf32x3"
+    assert [_triton.dot_precision(full, op) for op in ("interdomain", "attention", "gdn")] == \
+        ["tf32x3", "tf32x3", "tf32"]
     monkeypatch.setenv(_triton.FP32_DOT_ENV, "ieee")
-    assert (_triton.dot_precision(full), _triton.dot_precision(half)) == ("ieee", "tf32")
+    assert (_triton.dot_precision(full, "gdn"), _triton.dot_precision(half, "gdn")) == ("ieee", "tf32")
+    monkeypatch.setenv(_triton.FP32_DOT_ENV, "tf32x3")
+    assert _triton.dot_precision(full, "attention") == "tf32x3"
+    with pytest.raises(ValueError, match="MEGAHYBRID_FP32_DOT=tf32x3: the gdn kernels fault .*choose tf32$"):
+        _triton.dot_precision(full, "gdn")
     monkeypatch.setenv(_triton.FP32_DOT_ENV, "fp64")
     with pytest.raises(ValueError, match="MEGAHYBRID_FP32_DOT='fp64': choose one of tf32, tf32x3, ieee"):
-        _triton.dot_precision(full)
+        _triton.dot_precision(full, "interdomain")
 
 
 def test_every_kernel_dot_names_its_precision():

@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from megahybrid_kernels.nats.attention.torch_chunk import torch_chunk_selected_attention
-from megahybrid_kernels._triton import dot_precision, launch_fitting_stages, next_pow2, use_torch_path
+from megahybrid_kernels._triton import dot_precision, interpreting, launch_fitting_stages, next_pow2, use_torch_path
 from megahybrid_kernels.nats.checks import check_keep_values
 
 LOG2E = 1.4426950408889634
@@ -333,10 +333,6 @@ def _head_dims(DK: int, DV: int, device: torch.device) -> dict:
     return dict(DK=DK, BDK=next_pow2(DK, lo), DV=DV, BDV=next_pow2(DV, lo))
 
 
-def _interpret(q: torch.Tensor) -> bool:
-    return q.device.type == "cpu"
-
-
 # Launch settings on a GPU (the interpreter ignores warps and stages). G = query chunks per program, KB = kept
 # chunks per key block in the loop over earlier kept chunks.
 # tools/bench_nats_attention.py sweeps these; the values here are its choice on an H200.
@@ -355,7 +351,8 @@ def _config(q: torch.Tensor, kernel: str) -> dict:
 
 def _consts(q: torch.Tensor, DK: int, DV: int, chunk_size: int) -> dict:
     H = q.shape[2]
-    return dict(H=H, **_head_dims(DK, DV, q.device), BT=chunk_size, PREC=dot_precision(q), INTERPRET=_interpret(q))
+    return dict(H=H, **_head_dims(DK, DV, q.device), BT=chunk_size, PREC=dot_precision(q, "attention"),
+                INTERPRET=interpreting())
 
 
 def _launch(kernel, grid, args: tuple, q: torch.Tensor, consts: dict, cfg: dict) -> None:

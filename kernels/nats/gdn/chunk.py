@@ -291,7 +291,7 @@ def _fwd_h(k, w, u, G, keep, initial_state, output_final_state, decay_dropped):
     kernel[(triton.cdiv(V, BV), B * H)](
         k, w, u, G, keep, h, v_new, initial_state, ht, T, NT, H=H, K=K, V=V, BK=_state_bk(K, k.device), BV=BV,
         DECAY_DROPPED=decay_dropped, USE_H0=initial_state is not None, STORE_HT=output_final_state,
-        PREC=dot_precision(k))
+        PREC=dot_precision(k, "gdn"))
     return h, v_new, ht
 
 
@@ -305,7 +305,7 @@ def chunk_selected_gdn_fwd(q, k, v, g, beta, keep, scale, initial_state, output_
     o = torch.empty_like(v)
     BV = _loop_bv(V, q.dtype)
     _fwd_o_kernel[(triton.cdiv(V, BV), NT, B * H)](q, k, v_new, h, G, o, scale, T, NT, H=H, K=K, V=V,
-                                                    BK=_chunk_bk(K, q.device), BV=BV, PREC=dot_precision(q))
+                                                    BK=_chunk_bk(K, q.device), BV=BV, PREC=dot_precision(q, "gdn"))
     return o, ht, G, Ai
 
 
@@ -314,7 +314,7 @@ def chunk_selected_gdn_bwd(q, k, v, beta, keep, G, Ai, scale, initial_state, do,
     """Backward host function: recomputes w, u, h, v' and returns dq, dk, dv, dg, dbeta, dkeep, dh0."""
     B, T, H, K = q.shape
     V, NT = v.shape[-1], triton.cdiv(T, BT)
-    BK, BV, prec = _chunk_bk(K, q.device), _loop_bv(V, q.dtype), dot_precision(q)
+    BK, BV, prec = _chunk_bk(K, q.device), _loop_bv(V, q.dtype), dot_precision(q, "gdn")
     w, u = _recompute_wu(k, v, beta, G, Ai)
     h, v_new, _ = _fwd_h(k, w, u, G, keep, initial_state, False, decay_dropped)
     do = do.contiguous()

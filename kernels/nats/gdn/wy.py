@@ -227,7 +227,8 @@ def _wy_fwd(k, v, g, beta):
     NT = triton.cdiv(T, BT)
     G = torch.empty(B, T, H, device=k.device, dtype=torch.float32)
     Ai = torch.empty(B, T, H, BT, device=k.device, dtype=torch.float32)
-    _kkt_inv_kernel[(NT, B * H)](k, g, beta, G, Ai, T, H=H, K=K, BK=_chunk_bk(K, k.device), PREC=dot_precision(k))
+    _kkt_inv_kernel[(NT, B * H)](k, g, beta, G, Ai, T, H=H, K=K, BK=_chunk_bk(K, k.device),
+                                 PREC=dot_precision(k, "gdn"))
     return G, Ai
 
 
@@ -236,5 +237,5 @@ def _recompute_wu(k, v, beta, G, Ai):
     V = v.shape[-1]
     w, u = torch.empty_like(k), torch.empty_like(v)
     _wu_kernel[(triton.cdiv(T, BT), B * H)](k, v, beta, G, Ai, w, u, T, H=H, K=K, V=V, BK=_chunk_bk(K, k.device),
-                                            BV=_loop_bv(V, k.dtype), PREC=dot_precision(k))
+                                            BV=_loop_bv(V, k.dtype), PREC=dot_precision(k, "gdn"))
     return w, u
