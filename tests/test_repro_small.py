@@ -144,3 +144,20 @@ def test_repro_small_stops_at_its_deadline_and_the_same_command_continues(data_d
     assert tool.main(argv) == 0, capsys.readouterr()
     assert json.load(open(results + ".json"))["models"]["S"]["train"]["steps"] == steps
     assert "zero-shot on the language models" in open(results + ".md").read()
+
+
+def test_recall_is_handed_over_model_by_model(monkeypatch):
+    """Each model's recall reaches `done` when it finishes, so a stage cut later (here: the second model fails)
+    keeps the first model's rows in the results file."""
+    tool = _tool()
+
+    def recall_one(label, *_args):
+        if label == "I":
+            raise tool.UserError("recall cut short")
+        return [{"task": "mqar", "accuracy": 0.5}]
+
+    monkeypatch.setattr(tool, "recall_one", recall_one)
+    done = []
+    with pytest.raises(tool.UserError, match="recall cut short"):
+        tool.recall_all(["S", "I"], "runs", 64, 2, 1, None, lambda label, rows: done.append((label, rows)))
+    assert done == [("S", [{"task": "mqar", "accuracy": 0.5}])]

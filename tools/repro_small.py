@@ -18,7 +18,8 @@ Usage: python tools/repro_small.py --data-dir data/wikipedia-en --tokens 2500000
        runs over several calls on a warm machine. Recall runs --parallel models at once too. --recall-only measures
        the recall of fresh MQAR-trained models alone (no checkpoint needed) and merges it into the existing
        RESULTS.json: for a run whose device time ended before or during its recall stage (RESULTS.json is written
-       with training and perplexity before that stage starts).
+       with training and perplexity before that stage starts, and each model's recall as soon as it is measured;
+       `--recall-only --models` names the models still missing).
 """
 import argparse
 import json
@@ -28,6 +29,7 @@ import statistics
 import signal
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -178,12 +180,20 @@ def evaluate_ppl(labels: list, files: dict, run_root: str, seq: int) -> dict:
     return dict(zip(labels, json.load(open(os.path.join(ppl_dir, "ppl.json")))["results"]))
 
 
-def recall_all(labels: list, run_root: str, seq: int, mqar_steps: int, parallel: int, mqar_batch: int | None) -> dict:
+def recall_all(labels: list, run_root: str, seq: int, mqar_steps: int, parallel: int, mqar_batch: int | None,
+               done) -> None:
     """eval recall of each architecture, `parallel` at once: a fresh model of its run config trained on MQAR for
     mqar_steps (at mqar_batch sequences per step; default the run's batch), or (mqar_steps 0) its trained language
-    model zero-shot."""
-    jobs = on_gpus(labels, parallel, lambda label, gpu: recall_one(label, run_root, seq, mqar_steps, mqar_batch, gpu))
-    return {label: job.result() for label, job in jobs.items()}
+    model zero-shot. done(label, rows) as each finishes, one at a time: a call cut later keeps what finished."""
+    lock = threading.Lock()
+
+    def one(label, gpu):
+        rows = recall_one(label, run_root, seq, mqar_steps, mqar_batch, gpu)
+        with lock:
+            done(label, rows)
+
+    for job in on_gpus(labels, parallel, one).values():
+        job.result()
 
 
 def recall_one(label: str, run_root: str, seq: int, mqar_steps: int, mqar_batch: int | None, gpu: int | None) -> list:
@@ -320,7 +330,8 @@ def run(args) -> int:
     result = record(labels, files, args.tokens, run_root, evaluate_ppl(labels, files, run_root, seq))
     write(args.results, result)  # before the recall stage: a call that ends during it keeps this (--recall-only)
     shutil.copyfile(os.path.join(run_root, "eval-ppl", "ppl.png"), args.results + ".png")
-    merge_recall(args, result, recall_all(labels, run_root, seq, args.mqar_steps, args.parallel, args.mqar_batch))
+    recall_all(labels, run_root, seq, args.mqar_steps, args.parallel, args.mqar_batch,
+               lambda label, rows: merge_recall(args, result, label, rows))
     return 0
 
 
@@ -349,15 +360,16 @@ def recall_only(args, result: dict, labels: list, overrides: dict, run_root: str
             os.makedirs(os.path.dirname(config), exist_ok=True)
             with open(config, "w") as f:
                 f.write(load_config(CONFIG, overrides[label]).to_yaml())
-    merge_recall(args, result, recall_all(labels, run_root, seq, args.mqar_steps, args.parallel, args.mqar_batch))
+    recall_all(labels, run_root, seq, args.mqar_steps, args.parallel, args.mqar_batch,
+               lambda label, rows: merge_recall(args, result, label, rows))
     return 0
 
 
-def merge_recall(args, result: dict, recall: dict) -> None:
+def merge_recall(args, result: dict, label: str, rows: list) -> None:
+    """One model's recall rows into the results, written at once."""
     from megahybrid.outputs import git_commit
 
-    for label, rows in recall.items():
-        result["models"][label]["recall"] = rows
+    result["models"][label]["recall"] = rows
     result["meta"].update(mqar_steps=args.mqar_steps, mqar_batch=args.mqar_batch, recall_commit=git_commit(),
                           recall_date=time.strftime("%Y-%m-%d"))
     write(args.results, result)
