@@ -19,5 +19,6 @@ def test_every_piece_runs_forward_and_backward_on_cpu(tmp_path):
     record = json.load(open(tmp_path / "interdomain-pieces.json"))
     assert record["meta"]["compiled"] is False and record["meta"]["seq"] == 128
     pieces = {r["piece"]: r["fwd+bwd ms"] for r in record["rows"]}
-    assert len(pieces) == 9 and all(ms > 0 for ms in pieces.values()), pieces
+    assert len(pieces) == 10 and all(ms > 0 for ms in pieces.values()), pieces
+    assert "input path, fused kernel" in pieces
     assert pieces["mixer (all of it)"] > pieces["input projection alone"]

@@ -213,3 +213,21 @@ def test_model_metrics_collects_module_hooks():
     model = torch.nn.Sequential(torch.nn.Linear(2, 2), Mixer())
     assert model_metrics(model) == {"1/kept_fraction": 0.25}
     assert math.isclose(model_metrics(torch.nn.Sequential(Mixer()))["0/kept_fraction"], 0.25)
+
+
+def test_resume_check_ignores_run_options_and_names_changed_section_fields(tmp_path):
+    """A checkpoint resumes across fields that change how a model runs, not its weights (here the fused Interdomain
+    input path), and a changed field of an option section is named as model.<section>.<field>."""
+    from megahybrid.errors import UserError
+    from megahybrid.model.config import preset
+    from megahybrid.train.checkpoint import CheckpointManager
+    from megahybrid.train.config import load_config
+
+    cfg = load_config("demo-hybrid", ["model.pattern=IS"])
+    os.makedirs(tmp_path / "step1")
+    (tmp_path / "step1" / "config.yaml").write_text(cfg.to_yaml())
+    manager = CheckpointManager(str(tmp_path), keep=1)
+    same = preset(cfg.model.preset, **cfg.model.overrides)
+    manager.check_model("step1", same.replace(interdomain={"fused_input": True}))
+    with pytest.raises(UserError, match=r"holds another model \(model\.interdomain\.modes 64 -> 16\)"):
+        manager.check_model("step1", same.replace(interdomain={"modes": 16}))

@@ -3,8 +3,9 @@
 
 The 125M training profile (tools/results/bench_train.md, session 9) puts `I`'s layer call 2.0 ms above `S`'s in the
 op and 2.7 ms above it in elementwise work (short conv, RoPE, feature map, head norms, casts). These rows split the
-latter: the whole mixer, the input path (projection to the op's q, k~, v~), the projection alone, and each
-elementwise piece on tensors of the shape it sees (q and k together where both take it), plus the op.
+latter: the whole mixer, the input path (projection to the op's q, k~, v~), the same with the fused Triton input
+kernels (kernels/interdomain_input: projection, then one op for conv, RoPE, xi and norms), the projection alone,
+and each elementwise piece on tensors of the shape it sees (q and k together where both take it), plus the op.
 Each row: median ms of forward + backward with CUDA events, gradients reset between runs (not timed).
 
     python tools/bench_interdomain_pieces.py [--preset 125m] [--batch 8] [--seq 4096] [--eager] [--results-dir D]
@@ -64,6 +65,14 @@ def fwd_bwd(fn, inputs, params=()):
     return step, [*inputs, *params]
 
 
+def fused_input_path(inputs, hidden):
+    """The `I` input path through the fused kernels (model.interdomain.fused_input), whatever the layer's option;
+    CPU tensors run the op's torch definition (kernels/interdomain_input/naive.py)."""
+    x, _ = inputs.proj(hidden)
+    x = x.transpose(0, 1).reshape(x.shape[1], x.shape[0], inputs.dims.n_local, -1)
+    return inputs._fused(x, None, 0)[0]
+
+
 def pieces(mixer: InterdomainMixer, B: int, T: int):
     """(name, fn, inputs, params) per row: fn takes the inputs and returns tensors to backpropagate through."""
     d, inputs = mixer.dims, mixer.inputs
@@ -76,6 +85,8 @@ def pieces(mixer: InterdomainMixer, B: int, T: int):
     return [
         ("mixer (all of it)", lambda x: mixer.mix(x)[0], [hidden], list(mixer.parameters())),
         ("input path (proj, conv, RoPE, xi, norms)", lambda x: tuple(inputs(x, None, 0)[0].values()), [hidden],
+         list(inputs.parameters())),
+        ("input path, fused kernel", lambda x: tuple(fused_input_path(inputs, x).values()), [hidden],
          list(inputs.parameters())),
         ("input projection alone", lambda x: inputs.proj(x)[0], [hidden], list(inputs.proj.parameters())),
         ("short conv of q and k", lambda x: causal_depthwise_conv(x, inputs.conv.reshape(-1, d.conv_size))[0],

@@ -9,8 +9,9 @@ INTERDOMAIN_VARIANTS = ("full", "normalized", "generic-query", "dual-contraction
 
 RECOMPUTE = ("none", "selective", "full")
 RECOMPUTE_MODULES = ("core_attn", "mlp")
-# Fields that change how a model is initialized or run, not its weights: a checkpoint resumes across them.
-NOT_IN_WEIGHTS = ("init_std", "recompute", "recompute_modules", "recompute_num_layers")
+# Fields that change how a model is initialized or run, not its weights: a checkpoint resumes across them
+# (dotted: a field of an option section).
+NOT_IN_WEIGHTS = ("init_std", "recompute", "recompute_modules", "recompute_num_layers", "interdomain.fused_input")
 
 
 @dataclass
@@ -34,6 +35,7 @@ class InterdomainOptions:
     dt_min: float = 1e-3
     dt_max: float = 1e-1
     ssm_lr: float = 1e-3  # learning-rate cap of the SSM parameters and the input norms (no weight decay)
+    fused_input: bool = False  # the fused Triton input path (kernels/interdomain_input); off until verified on the GPU
 
     def heads(self, hidden_size: int, model_head_dim: int) -> tuple[int, int, int]:
         """(heads, d_h, R) of the mixer in a model of this width."""
@@ -228,7 +230,8 @@ def _options(name: str, cls, current, value):
     if isinstance(value, cls):
         return value
     if not isinstance(value, dict):
-        raise ConfigError(f"model.{name} must be a mapping of fields, e.g. model.{name}.{dataclasses.fields(cls)[0].name}=...")
+        first = dataclasses.fields(cls)[0].name
+        raise ConfigError(f"model.{name} must be a mapping of fields, e.g. model.{name}.{first}=...")
     known = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(value) - known)
     if unknown:

@@ -176,6 +176,14 @@ def _barrier() -> None:
         dist.barrier()
 
 
+def _dotted(fields: dict, prefix: str = "") -> dict:
+    """A model config's fields with the option sections' fields as "section.field"."""
+    out = {}
+    for k, v in fields.items():
+        out.update(_dotted(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    return out
+
+
 class CheckpointManager:
     """Saves and finds checkpoints under `root`; every method is called on all ranks together."""
 
@@ -341,10 +349,10 @@ class CheckpointManager:
         path = os.path.join(self.root, tag, "config.yaml")
         with open(path) as f:
             saved_cfg = from_dict(yaml.safe_load(f))
-        saved = dataclasses.asdict(preset(saved_cfg.model.preset, **saved_cfg.model.overrides))
-        ours = dataclasses.asdict(model)
-        changed = [f"model.{k} {saved[k]} -> {ours[k]}" for k in saved
-                   if k not in NOT_IN_WEIGHTS and saved[k] != ours[k]]
+        saved = _dotted(dataclasses.asdict(preset(saved_cfg.model.preset, **saved_cfg.model.overrides)))
+        ours = _dotted(dataclasses.asdict(model))
+        changed = [f"model.{k} {saved[k]} -> {ours.get(k)}" for k in saved
+                   if k not in NOT_IN_WEIGHTS and saved[k] != ours.get(k)]
         if changed:
             raise UserError(
                 f"checkpoint {os.path.join(self.root, tag)} holds another model ({', '.join(changed)}): resume with "

@@ -62,6 +62,7 @@ from megahybrid.errors import ConfigError
 from megahybrid.model.cp import layer_cp_group
 from megahybrid.model.mixers import Mixer
 from megahybrid.model.mixers.shortconv import causal_depthwise_conv
+from megahybrid_kernels._triton import interpreting
 
 FEATURE_EPS = 1e-6
 CHUNK = 64
@@ -165,12 +166,13 @@ class HeadNorm(torch.nn.Module):
         self.weight = _ssm_param(torch.nn.Parameter(torch.ones(width)), cap)
         self.bias = _ssm_param(_shard(torch.zeros(dims.heads, width), dims.local), cap)
 
+    def tp_weight(self) -> torch.Tensor:
+        """The shared scale as this rank uses it: through the TP region copy, whose backward all-reduces."""
+        return copy_to_tensor_model_parallel_region(self.weight) if _tp_size() > 1 else self.weight
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight = self.weight
-        if _tp_size() > 1:
-            weight = copy_to_tensor_model_parallel_region(weight)
         x = x.float()
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * weight + self.bias
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.tp_weight() + self.bias
 
 
 def rope(x: torch.Tensor, offset: int, base: float) -> torch.Tensor:
@@ -215,6 +217,9 @@ class _Input(torch.nn.Module):
         norm_eps, cap = cfg.norm_eps, cfg.interdomain.ssm_lr
         self.norms = torch.nn.ModuleDict({s: HeadNorm(dims, widths[s], norm_eps, cap)
                                           for s in self.names if s != "q"})
+        # the fused kernels serve the dual input with query: conv on q, k; RoPE and xi on both; norms on k, v
+        self.fused = cfg.interdomain.fused_input and (self.names, self.convolved, self.keyed, self.mapped) == (
+            ("q", "k", "v"), ("q", "k"), "k", ("q", "k"))
 
     def forward(self, hidden: torch.Tensor, tail: torch.Tensor, offset: int, cp_group=None):
         """hidden [S(/tp with SP), B, d] -> ({segment: [B, T, H_local, width]}, new conv tail). With a CP group the
@@ -223,12 +228,16 @@ class _Input(torch.nn.Module):
         d = self.dims
         x = x.transpose(0, 1).reshape(x.shape[1], x.shape[0], d.n_local, -1)
         B, T = x.shape[:2]
-        conv_in = x[..., :self.conv_width].reshape(B, T, -1)
         if cp_group is not None:
             from megahybrid.model.cp import previous_shard_tail
 
-            tail = previous_shard_tail(conv_in, d.conv_size - 1, cp_group)
+            # the conv inputs of the last conv_size - 1 tokens (all previous_shard_tail reads)
+            recent = x[:, max(T - d.conv_size + 1, 0):, :, :self.conv_width].flatten(2)
+            tail = previous_shard_tail(recent, d.conv_size - 1, cp_group)
             offset += torch.distributed.get_rank(cp_group) * T
+        if self.fused and (x.is_cuda or interpreting()):  # Triton: CUDA, or its interpreter on the CPU (tests)
+            return self._fused(x, tail, offset)
+        conv_in = x[..., :self.conv_width].reshape(B, T, -1)
         conv_out, tail = causal_depthwise_conv(conv_in, self.conv.reshape(-1, d.conv_size), tail)
         x = torch.cat((conv_out.view(B, T, d.n_local, -1), x[..., self.conv_width:]), -1)
         parts = dict(zip(self.names, x.split(self.widths, -1)))
@@ -241,6 +250,16 @@ class _Input(torch.nn.Module):
                 parts[s] = self.norms[s](parts[s])
             parts[s] = parts[s].to(x.dtype)
         return parts, tail
+
+    def _fused(self, x: torch.Tensor, tail, offset: int):
+        """The fused kernels (megahybrid_kernels.interdomain_input) from x [B, T, H_local, 2R + d_h] in place of the
+        conv, RoPE, xi and norm steps above; the same parts and new tail."""
+        from megahybrid_kernels.interdomain_input import interdomain_input
+
+        nk, nv = self.norms["k"], self.norms["v"]
+        q, k, v, tail = interdomain_input(x, self.conv, tail, offset, self.use_rope, self.rope_base, nk.tp_weight(),
+                                          nk.bias, nv.tp_weight(), nv.bias, nk.eps)
+        return {"q": q, "k": k, "v": v}, tail
 
 
 class DualInput(_Input):
