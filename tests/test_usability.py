@@ -258,6 +258,17 @@ def test_bench_train_mixer_suite_covers_every_mixer_at_4k_and_16k():
     assert all(tokens // r["seq"] % r["micro"] == 0 for r in rows), rows
 
 
+def test_bench_train_rows_carry_model_overrides_and_share_one_baseline():
+    """`125m@I+interdomain.fused_input=true` compares an option on and off in one table: the override reaches the
+    model section and both rows share the 125m baseline."""
+    bench = _tool("bench_train")
+    rows = bench.plan_rows(["125m@I:none:8", "125m@I+interdomain.fused_input=true:none:8"], 4096)
+    assert [r["system"] for r in rows] == ["megahybrid", "baseline", "megahybrid"]
+    assert bench._preset_fields(rows[2]["preset"]) == {"preset": "125m", "pattern": "I",
+                                                       "interdomain": {"fused_input": True}}
+    assert bench._preset_fields("350m") == {"preset": "350m"}
+
+
 def test_end_of_run_prints_each_mixer_layers_telemetry(capsys):
     """The run ends with the mixers' own scalars, one line per layer, named by index and pattern character."""
     import types

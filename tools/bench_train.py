@@ -17,11 +17,13 @@ uses the bf16 matmul rate measured at the end of the run.
     python tools/bench_train.py                      # GPU: 125m, 350m, 1.3b at 4K + recompute rows at 1.3b
     python tools/bench_train.py --rows tiny:none:2 --seq 128 --tokens 512 --steps 2 --warmup 1   # CPU smoke
     python tools/bench_train.py --rows 125m@I:none:8 --no-baseline --profile 25     # where a row's time goes
+    python tools/bench_train.py --rows 125m@I:none:8 125m@I+interdomain.fused_input=true:none:8 --no-baseline
     python tools/bench_train.py --suite mixers --no-baseline    # every mixer at 4K and 16K (MIXER_SUITE)
     python tools/bench_train.py --suite mixers --no-baseline --continue-from tools/results/bench_train.json
     python tools/bench_train.py --compile false --name bench_train-eager    # the eager table, its own file
-Rows are PRESET[@PATTERN]:RECOMPUTE:MICRO[:SEQ] with RECOMPUTE one of none, selective, selective_mlp, full and
-SEQ the row's context (default --seq); every (preset, SEQ) also gets a baseline row at the micro-batch of its
+Rows are PRESET[@PATTERN][+KEY=VALUE...]:RECOMPUTE:MICRO[:SEQ] with KEY=VALUE model-section overrides (an option
+compared on and off in one table), RECOMPUTE one of none, selective, selective_mlp, full and SEQ the row's context
+(default --seq); every (preset, SEQ) also gets a baseline row at the micro-batch of its
 first row. Results: tools/results/NAME.{json,md} (--name, default bench_train; date, GPU and commit in the meta).
 """
 import argparse
@@ -65,8 +67,9 @@ def plan_rows(specs: list[str], default_seq: int, baseline: bool = True) -> list
         preset, recompute, micro, seq = *fields[:3], int(fields[3]) if len(fields) == 4 else default_seq
         rows.append({"system": "megahybrid", "preset": preset, "recompute": recompute, "micro": int(micro),
                      "seq": seq})
-        if baseline and (preset.split("@")[0], seq) not in seen:
-            seen.add((preset.split("@")[0], seq))
+        shape = preset.split("+")[0].split("@")[0]
+        if baseline and (shape, seq) not in seen:
+            seen.add((shape, seq))
             rows.append({"system": "baseline", "preset": preset, "recompute": "none", "micro": int(micro),
                          "seq": seq})
     return rows
@@ -102,9 +105,15 @@ def _total_steps(args) -> int:
 
 
 def _preset_fields(spec: str) -> dict:
-    """`NAME` or `NAME@PATTERN` as model-section fields."""
-    name, _, pattern = spec.partition("@")
-    return {"preset": name, **({"pattern": pattern} if pattern else {})}
+    """`NAME[@PATTERN][+KEY=VALUE...]` as model-section fields (KEY relative to the model section)."""
+    from megahybrid.train.config import apply_override
+
+    head, *overrides = spec.split("+")
+    name, _, pattern = head.partition("@")
+    fields = {"preset": name, **({"pattern": pattern} if pattern else {})}
+    for item in overrides:
+        apply_override(fields, item)
+    return fields
 
 
 def baseline_step(row: dict, args):
@@ -115,7 +124,7 @@ def baseline_step(row: dict, args):
     from megahybrid.model.config import preset
     from megahybrid.train.data import RandomTokens
 
-    cfg = preset(row["preset"].split("@")[0], seq_length=row["seq"])
+    cfg = preset(row["preset"].split("+")[0].split("@")[0], seq_length=row["seq"])
     global_batch = args.tokens // row["seq"]
     gas = global_batch // row["micro"]
     compiled = torch.cuda.is_available() if args.compile == "auto" else args.compile in ("true", "all")
