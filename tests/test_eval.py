@@ -208,6 +208,8 @@ def _bad_inputs(ckpt, prefix, root):
         "too few tokens": _cli(["eval", "ppl", "--checkpoint", ckpt, "--data", prefix, "--lengths", "64,64M"]),
         "prompt too long": _cli(["generate", "--checkpoint", ckpt, "--prompt", long_prompt]),
         "missing generate checkpoint": _cli(["generate", "--checkpoint", os.path.join(root, "nope"), "--prompt", "a"]),
+        "MQAR longer than the model": _cli(["eval", "recall", "--train-config", "demo", "--train-length", "1000",
+                                            "--out", os.path.join(root, "bad-recall")]),
     }
 
 
@@ -304,6 +306,7 @@ def test_bad_inputs_one_line_exit_2(results):
         assert stderr.strip().splitlines()[-1] == lines[0], (name, stderr)
     assert "fewer than" in results["bad"]["too few tokens"][2]
     assert "--max-new-tokens" in results["bad"]["prompt too long"][2]
+    assert "--train-length 1000" in results["bad"]["MQAR longer than the model"][2]
 
 
 def test_results_summary_keeps_going_on_any_json(tmp_path):

@@ -45,12 +45,15 @@ def test_repro_small_end_to_end_on_cpu(data_dir, tmp_path, capsys, monkeypatch):
     tool = _tool()
     results = str(tmp_path / "results" / "repro")
     argv = ["--data-dir", data_dir, "--tokens", str(STEPS * 4 * 64), "--run-root", str(tmp_path / "runs"),
-            "--results", results, "--models", ",".join(MODELS), "--parallel", "2", "--mqar-steps", "2", *TINY]
+            "--results", results, "--models", ",".join(MODELS), "--parallel", "2", "--mqar-steps", "2", "--mqar-length", "32", *TINY]
     assert tool.main(argv) == 0, capsys.readouterr()
     record = json.load(open(results + ".json"))
     assert list(record["models"]) == MODELS and record["meta"]["gpu"] == "cpu"
     assert record["meta"]["commit"] and record["meta"]["epochs"] > 0
     assert record["meta"]["mqar_steps"] == 2  # recall of a fresh model per architecture, trained on MQAR
+    assert record["meta"]["mqar_length"] == 32  # at the given length, below the run's 64
+    trained = json.load(open(tmp_path / "runs" / "eval-recall-I" / "recall.json"))["meta"]["trained"]
+    assert trained["length"] == 32 and trained["steps"] == 2, trained
     for label, model in record["models"].items():
         assert model["pattern"] == tool.MODELS[label] and model["train"]["steps"] == STEPS
         assert model["tokens"] == STEPS * 4 * 64 and model["train"]["tokens_per_s"] > 0
@@ -159,5 +162,5 @@ def test_recall_is_handed_over_model_by_model(monkeypatch):
     monkeypatch.setattr(tool, "recall_one", recall_one)
     done = []
     with pytest.raises(tool.UserError, match="recall cut short"):
-        tool.recall_all(["S", "I"], "runs", 64, 2, 1, None, lambda label, rows: done.append((label, rows)))
+        tool.recall_all(["S", "I"], "runs", 64, tool.Mqar(2), 1, lambda label, rows: done.append((label, rows)))
     assert done == [("S", [{"task": "mqar", "accuracy": 0.5}])]

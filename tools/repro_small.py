@@ -13,7 +13,7 @@ The files for one GPU call (they must travel with the checkout, 64 MiB in all; 2
 
 Usage: python tools/repro_small.py --data-dir data/wikipedia-en --tokens 25000000 [--models S,D,I,Ig,G,H]
        [--parallel N] [--run-root DIR] [--results PATH] [--deadline-s S] [--mqar-steps N] [--mqar-batch N]
-       [--recall-only] [key=value ...] (overrides for every training run). With --deadline-s the training stops in
+       [--mqar-length N] [--recall-only] [key=value ...] (overrides for every training run). With --deadline-s the training stops in
        time (checkpoints saved, exit 3) and the same command continues it, so a budget longer than one device call
        runs over several calls on a warm machine. Recall runs --parallel models at once too. --recall-only measures
        the recall of fresh MQAR-trained models alone (no checkpoint needed) and merges it into the existing
@@ -32,6 +32,7 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
@@ -45,6 +46,21 @@ CONFIG = "repro-small"
 MODELS = {"S": "S", "D": "D", "I": "I", "Ig": "I", "G": "G", "H": "GGGNGGGN"}
 MODEL_OVERRIDES = {"Ig": ["model.interdomain.output_gate=true"]}  # before the command line's, which win
 MQAR_KEYS = (4, 16, 64)
+
+
+@dataclass(frozen=True)
+class Mqar:
+    """How each architecture's fresh model is trained on MQAR before its recall is measured (steps 0: none, the
+    trained language models zero-shot). batch None: the run's; length: capped at the run's context."""
+
+    steps: int
+    batch: int | None = None
+    length: int = 256
+
+    def args(self, config: str, seq: int) -> list:
+        batch = [f"batch.global_batch_size={self.batch}", f"batch.micro_batch_size={self.batch}"] if self.batch else []
+        return ["--train-config", config, "--train-steps", str(self.steps), "--train-length",
+                str(min(self.length, seq)), *batch]
 
 
 def data_files(data_dir: str) -> dict:
@@ -180,15 +196,14 @@ def evaluate_ppl(labels: list, files: dict, run_root: str, seq: int) -> dict:
     return dict(zip(labels, json.load(open(os.path.join(ppl_dir, "ppl.json")))["results"]))
 
 
-def recall_all(labels: list, run_root: str, seq: int, mqar_steps: int, parallel: int, mqar_batch: int | None,
-               done) -> None:
-    """eval recall of each architecture, `parallel` at once: a fresh model of its run config trained on MQAR for
-    mqar_steps (at mqar_batch sequences per step; default the run's batch), or (mqar_steps 0) its trained language
-    model zero-shot. done(label, rows) as each finishes, one at a time: a call cut later keeps what finished."""
+def recall_all(labels: list, run_root: str, seq: int, mqar: Mqar, parallel: int, done) -> None:
+    """eval recall of each architecture, `parallel` at once: a fresh model of its run config trained on MQAR as
+    `mqar` says, or (mqar.steps 0) its trained language model zero-shot. done(label, rows) as each finishes, one at
+    a time: a call cut later keeps what finished."""
     lock = threading.Lock()
 
     def one(label, gpu):
-        rows = recall_one(label, run_root, seq, mqar_steps, mqar_batch, gpu)
+        rows = recall_one(label, run_root, seq, mqar, gpu)
         with lock:
             done(label, rows)
 
@@ -196,12 +211,10 @@ def recall_all(labels: list, run_root: str, seq: int, mqar_steps: int, parallel:
         job.result()
 
 
-def recall_one(label: str, run_root: str, seq: int, mqar_steps: int, mqar_batch: int | None, gpu: int | None) -> list:
+def recall_one(label: str, run_root: str, seq: int, mqar: Mqar, gpu: int | None) -> list:
     out = os.path.join(run_root, f"eval-recall-{label}")
-    if mqar_steps:
-        batch = [f"batch.global_batch_size={mqar_batch}", f"batch.micro_batch_size={mqar_batch}"] if mqar_batch else []
-        source = ["--train-config", os.path.join(run_root, label, "config.yaml"), "--train-steps", str(mqar_steps),
-                  *batch]
+    if mqar.steps:
+        source = mqar.args(os.path.join(run_root, label, "config.yaml"), seq)
     else:
         source = ["--checkpoint", os.path.join(run_root, label, "checkpoints")]
     os.makedirs(out, exist_ok=True)
@@ -234,7 +247,8 @@ def record(labels: list, files: dict, tokens: int, run_root: str, ppl: dict) -> 
                      "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
                      "config": CONFIG, "data": os.path.dirname(files["train"]), "tokens_requested": tokens,
                      "train_tokens_available": available, "epochs": tokens / available,
-                     "train_length": model.seq_length, "mqar_steps": None, "mqar_batch": None},
+                     "train_length": model.seq_length, "mqar_steps": None, "mqar_batch": None,
+                     "mqar_length": None},
             "models": models}
 
 
@@ -264,6 +278,7 @@ def _recall_source(meta: dict) -> str:
         return "not measured yet"
     at = f" at commit {meta['recall_commit']}" if meta.get("recall_commit") else ""
     per_step = f" of {batch} sequences" if batch else ""
+    per_step += f" of {meta['mqar_length']} tokens" if meta.get("mqar_length") else ""
     return (f"a fresh model of each architecture trained on MQAR for {steps} steps{per_step}{at}" if steps
             else "zero-shot on the language models")
 
@@ -295,6 +310,9 @@ def parse(argv):
                              "(0: zero-shot on the trained language models)")
     parser.add_argument("--mqar-batch", type=int, default=None,
                         help="sequences per MQAR training step (default: the run's batch.global_batch_size)")
+    parser.add_argument("--mqar-length", type=int, default=256,
+                        help="MQAR training length, capped at the run's context: a few times the largest key count "
+                             "keeps the queries dense (at 1024 tokens 500 steps taught no model recall)")
     parser.add_argument("--recall-only", action="store_true",
                         help="measure recall only and merge it into the existing PATH.json (no training)")
     parser.add_argument("--results", default=os.path.join(REPO, "tools", "results", "repro-small"),
@@ -306,10 +324,11 @@ def parse(argv):
 def run(args) -> int:
     labels = [m for m in args.models.split(",") if m]
     if (not labels or set(labels) - set(MODELS) or args.tokens < 1 or args.parallel < 1 or args.mqar_steps < 0
-            or (args.mqar_batch is not None and args.mqar_batch < 1)):
+            or (args.mqar_batch is not None and args.mqar_batch < 1) or args.mqar_length < 4):
         raise UserError(f"--models {args.models} --tokens {args.tokens} --parallel {args.parallel} --mqar-steps "
-                        f"{args.mqar_steps} --mqar-batch {args.mqar_batch}: choose models from {','.join(MODELS)}, a "
-                        "positive token budget, --parallel >= 1, --mqar-steps >= 0 and --mqar-batch >= 1")
+                        f"{args.mqar_steps} --mqar-batch {args.mqar_batch} --mqar-length {args.mqar_length}: choose models from "
+                        f"{','.join(MODELS)}, a positive token budget, --parallel >= 1, --mqar-steps >= 0, "
+                        "--mqar-batch >= 1 and --mqar-length >= 4")
     files = data_files(os.path.abspath(args.data_dir))
     existing = existing_results(args) if args.recall_only else None
     run_root = os.path.abspath(args.run_root or os.path.join(REPO, "runs", f"repro-small-{args.tokens}"))
@@ -330,9 +349,13 @@ def run(args) -> int:
     result = record(labels, files, args.tokens, run_root, evaluate_ppl(labels, files, run_root, seq))
     write(args.results, result)  # before the recall stage: a call that ends during it keeps this (--recall-only)
     shutil.copyfile(os.path.join(run_root, "eval-ppl", "ppl.png"), args.results + ".png")
-    recall_all(labels, run_root, seq, args.mqar_steps, args.parallel, args.mqar_batch,
+    recall_all(labels, run_root, seq, mqar_of(args), args.parallel,
                lambda label, rows: merge_recall(args, result, label, rows))
     return 0
+
+
+def mqar_of(args) -> Mqar:
+    return Mqar(args.mqar_steps, args.mqar_batch, args.mqar_length)
 
 
 def existing_results(args) -> dict:
@@ -360,7 +383,7 @@ def recall_only(args, result: dict, labels: list, overrides: dict, run_root: str
             os.makedirs(os.path.dirname(config), exist_ok=True)
             with open(config, "w") as f:
                 f.write(load_config(CONFIG, overrides[label]).to_yaml())
-    recall_all(labels, run_root, seq, args.mqar_steps, args.parallel, args.mqar_batch,
+    recall_all(labels, run_root, seq, mqar_of(args), args.parallel,
                lambda label, rows: merge_recall(args, result, label, rows))
     return 0
 
@@ -370,7 +393,8 @@ def merge_recall(args, result: dict, label: str, rows: list) -> None:
     from megahybrid.outputs import git_commit
 
     result["models"][label]["recall"] = rows
-    result["meta"].update(mqar_steps=args.mqar_steps, mqar_batch=args.mqar_batch, recall_commit=git_commit(),
+    result["meta"].update(mqar_steps=args.mqar_steps, mqar_batch=args.mqar_batch,
+                          mqar_length=min(args.mqar_length, result["meta"]["train_length"]), recall_commit=git_commit(),
                           recall_date=time.strftime("%Y-%m-%d"))
     write(args.results, result)
 

@@ -40,6 +40,8 @@ def _add_recall(sub) -> None:
     recall.add_argument("--train-config", default=None, help="instead of --checkpoint: train the model of this run "
                         "config on MQAR first (its optimizer.lr, batch.global_batch_size, model.seq_length)")
     recall.add_argument("--train-steps", type=int, default=None, help="default: the config's train.steps")
+    recall.add_argument("--train-length", type=int, default=None,
+                        help="MQAR training sequence length (default: the config's model.seq_length)")
     recall.add_argument("overrides", nargs="*", metavar="key=value", help="run config overrides for --train-config")
     recall.add_argument("--lengths", default="256,512,1024")
     recall.add_argument("--keys", default="4,16,64", help="MQAR key counts")

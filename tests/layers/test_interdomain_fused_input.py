@@ -13,8 +13,9 @@ def _rel(a, b):
     return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
 
 
-def _run(model, mixer, fused, tokens):
-    """Loss and parameter gradients of the model, then the first layer's input path from a tail at offset 50."""
+def _run(model, mixer, fused, tokens, alone=True):
+    """Loss and parameter gradients of the model, then (alone) the first layer's input path from a tail at offset
+    50."""
     from megahybrid.model.mixers.interdomain import InterdomainMixer
 
     for m in model.modules():
@@ -25,6 +26,8 @@ def _run(model, mixer, fused, tokens):
     loss.backward()
     out = {"loss": loss.detach()}
     out.update({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    if not alone:
+        return out
     gen = torch.Generator().manual_seed(2)
     inputs = mixer.inputs
     hidden = torch.randn(13, 2, 64, generator=gen).requires_grad_()
@@ -72,3 +75,29 @@ def test_fused_input_matches_the_unfused_layer():
     print(" ".join(f"{k}={v:.1e}" for k, v in errors.items()))
     assert any(k.startswith("input d") and "conv" in k for k in errors) and "input d_tail" in errors
     assert all(v <= TOL for v in errors.values()), {k: v for k, v in errors.items() if v > TOL}
+
+
+def _fused_against_unfused_tp(rank, world):
+    """The same comparison of the model's loss and gradients with heads split over two TP ranks and sequence
+    parallelism (each rank's kernels see its heads and its norm weights' shards)."""
+    from megahybrid.distributed import init_distributed, shutdown
+    from megahybrid.model.config import preset
+    from megahybrid.model.gpt import build_model
+    from megahybrid.model.mixers.interdomain import InterdomainMixer
+    from megahybrid.parallel import ParallelLayout
+
+    layout = init_distributed(ParallelLayout(tp=2, sequence_parallel=True)).layout
+    cfg = preset("tiny", pattern="I", num_layers=2, interdomain={"modes": 8, "fused_input": True})
+    torch.manual_seed(0)
+    model = build_model(cfg, layout)
+    mixer = next(m for m in model.modules() if isinstance(m, InterdomainMixer))
+    tokens = torch.randint(0, cfg.vocab_size, (2, 70), generator=torch.Generator().manual_seed(1))
+    fused, plain = (_run(model, mixer, f, tokens, alone=False) for f in (True, False))
+    shutdown()
+    return {k: _rel(fused[k], plain[k]) for k in plain}
+
+
+def test_fused_input_matches_the_unfused_layer_under_tp2_sp():
+    for errors in run_on_ranks(_fused_against_unfused_tp, 2):
+        assert any("norm" in k for k in errors), sorted(errors)
+        assert all(v <= TOL for v in errors.values()), {k: v for k, v in errors.items() if v > TOL}

@@ -218,8 +218,8 @@ class _Input(torch.nn.Module):
         self.norms = torch.nn.ModuleDict({s: HeadNorm(dims, widths[s], norm_eps, cap)
                                           for s in self.names if s != "q"})
         # the fused kernels serve the dual input with query: conv on q, k; RoPE and xi on both; norms on k, v
-        self.fused = cfg.interdomain.fused_input and (self.names, self.convolved, self.keyed, self.mapped) == (
-            ("q", "k", "v"), ("q", "k"), "k", ("q", "k"))
+        dual = (self.names, self.convolved, self.keyed, self.mapped) == (("q", "k", "v"), ("q", "k"), "k", ("q", "k"))
+        self.fused = cfg.interdomain.fused_input if dual else False  # None: on CUDA tensors only
 
     def forward(self, hidden: torch.Tensor, tail: torch.Tensor, offset: int, cp_group=None):
         """hidden [S(/tp with SP), B, d] -> ({segment: [B, T, H_local, width]}, new conv tail). With a CP group the
@@ -235,7 +235,7 @@ class _Input(torch.nn.Module):
             recent = x[:, max(T - d.conv_size + 1, 0):, :, :self.conv_width].flatten(2)
             tail = previous_shard_tail(recent, d.conv_size - 1, cp_group)
             offset += torch.distributed.get_rank(cp_group) * T
-        if self.fused and (x.is_cuda or interpreting()):  # Triton: CUDA, or its interpreter on the CPU (tests)
+        if self.fused is not False and (x.is_cuda or (self.fused is True and interpreting())):
             return self._fused(x, tail, offset)
         conv_in = x[..., :self.conv_width].reshape(B, T, -1)
         conv_out, tail = causal_depthwise_conv(conv_in, self.conv.reshape(-1, d.conv_size), tail)
