@@ -305,9 +305,9 @@ def parse(argv):
     parser.add_argument("--deadline-s", type=float, default=None,
                         help="stop training after this many seconds (checkpoints saved, exit 3); the same command "
                              "continues")
-    parser.add_argument("--mqar-steps", type=int, default=500,
+    parser.add_argument("--mqar-steps", type=int, default=2000,
                         help="MQAR training steps of the fresh model whose recall is measured per architecture "
-                             "(0: zero-shot on the trained language models)")
+                             "(default 2000; 0: zero-shot on the trained language models)")
     parser.add_argument("--mqar-batch", type=int, default=None,
                         help="sequences per MQAR training step (default: the run's batch.global_batch_size)")
     parser.add_argument("--mqar-length", type=int, default=256,
