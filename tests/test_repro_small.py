@@ -45,7 +45,8 @@ def test_repro_small_end_to_end_on_cpu(data_dir, tmp_path, capsys, monkeypatch):
     tool = _tool()
     results = str(tmp_path / "results" / "repro")
     argv = ["--data-dir", data_dir, "--tokens", str(STEPS * 4 * 64), "--run-root", str(tmp_path / "runs"),
-            "--results", results, "--models", ",".join(MODELS), "--parallel", "2", "--mqar-steps", "2", "--mqar-length", "32", *TINY]
+            "--results", results, "--models", ",".join(MODELS), "--parallel", "2", "--mqar-steps", "2",
+            "--mqar-length", "32", *TINY]
     assert tool.main(argv) == 0, capsys.readouterr()
     record = json.load(open(results + ".json"))
     assert list(record["models"]) == MODELS and record["meta"]["gpu"] == "cpu"

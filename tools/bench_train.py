@@ -67,7 +67,7 @@ def plan_rows(specs: list[str], default_seq: int, baseline: bool = True) -> list
         preset, recompute, micro, seq = *fields[:3], int(fields[3]) if len(fields) == 4 else default_seq
         rows.append({"system": "megahybrid", "preset": preset, "recompute": recompute, "micro": int(micro),
                      "seq": seq})
-        shape = preset.split("+")[0].split("@")[0]
+        shape = _preset_fields(preset)["preset"]
         if baseline and (shape, seq) not in seen:
             seen.add((shape, seq))
             rows.append({"system": "baseline", "preset": preset, "recompute": "none", "micro": int(micro),
@@ -124,7 +124,7 @@ def baseline_step(row: dict, args):
     from megahybrid.model.config import preset
     from megahybrid.train.data import RandomTokens
 
-    cfg = preset(row["preset"].split("+")[0].split("@")[0], seq_length=row["seq"])
+    cfg = preset(_preset_fields(row["preset"])["preset"], seq_length=row["seq"])
     global_batch = args.tokens // row["seq"]
     gas = global_batch // row["micro"]
     compiled = torch.cuda.is_available() if args.compile == "auto" else args.compile in ("true", "all")

@@ -19,8 +19,9 @@ run_tests() {  # NAME PATHS...: stops at 290 s with a summary (SIGINT), the log 
     "$@" 2>&1 | tee "${OUT:-/tmp}/gpu-tests-$name.log" | grep -E "^(FAILED|ERROR)|Timeout|passed|failed"
 }
 
-if [ "$mode" = pending ]; then  # still to run on the H200 (session 12): the GDN grid with its fp32 dots on tf32 passed on
-  # an H100 only (5b14242); the widest fp32 attention build and the segmented-plan compiled caller were cut by time
+if [ "$mode" = pending ]; then  # still to run on the H200 (session 12): the GDN grid with its fp32 dots on tf32
+  # passed on an H100 only (5b14242); the widest fp32 attention build and the segmented-plan compiled caller were
+  # cut by time
   run_tests pending tests/kernels/test_nats_gdn.py \
     "tests/kernels/test_nats_attention.py::test_gpu_small_and_odd_head_dims" \
     "tests/kernels/test_custom_ops.py::test_compiled_caller_keeps_the_op_in_one_graph"

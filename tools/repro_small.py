@@ -13,13 +13,13 @@ The files for one GPU call (they must travel with the checkout, 64 MiB in all; 2
 
 Usage: python tools/repro_small.py --data-dir data/wikipedia-en --tokens 25000000 [--models S,D,I,Ig,G,H]
        [--parallel N] [--run-root DIR] [--results PATH] [--deadline-s S] [--mqar-steps N] [--mqar-batch N]
-       [--mqar-length N] [--recall-only] [key=value ...] (overrides for every training run). With --deadline-s the training stops in
-       time (checkpoints saved, exit 3) and the same command continues it, so a budget longer than one device call
-       runs over several calls on a warm machine. Recall runs --parallel models at once too. --recall-only measures
-       the recall of fresh MQAR-trained models alone (no checkpoint needed) and merges it into the existing
-       RESULTS.json: for a run whose device time ended before or during its recall stage (RESULTS.json is written
-       with training and perplexity before that stage starts, and each model's recall as soon as it is measured;
-       `--recall-only --models` names the models still missing).
+       [--mqar-length N] [--recall-only] [key=value ...] (overrides for every training run). With --deadline-s the
+       training stops in time (checkpoints saved, exit 3) and the same command continues it, so a budget longer than
+       one device call runs over several calls on a warm machine. Recall runs --parallel models at once too.
+       --recall-only measures the recall of fresh MQAR-trained models alone (no checkpoint needed) and merges it
+       into the existing RESULTS.json: for a run whose device time ended before or during its recall stage
+       (RESULTS.json is written with training and perplexity before that stage starts, and each model's recall as
+       soon as it is measured; `--recall-only --models` names the models still missing).
 """
 import argparse
 import json
@@ -57,10 +57,13 @@ class Mqar:
     batch: int | None = None
     length: int = 256
 
+    def train_length(self, seq: int) -> int:
+        return min(self.length, seq)
+
     def args(self, config: str, seq: int) -> list:
         batch = [f"batch.global_batch_size={self.batch}", f"batch.micro_batch_size={self.batch}"] if self.batch else []
         return ["--train-config", config, "--train-steps", str(self.steps), "--train-length",
-                str(min(self.length, seq)), *batch]
+                str(self.train_length(seq)), *batch]
 
 
 def data_files(data_dir: str) -> dict:
@@ -326,8 +329,8 @@ def run(args) -> int:
     if (not labels or set(labels) - set(MODELS) or args.tokens < 1 or args.parallel < 1 or args.mqar_steps < 0
             or (args.mqar_batch is not None and args.mqar_batch < 1) or args.mqar_length < 4):
         raise UserError(f"--models {args.models} --tokens {args.tokens} --parallel {args.parallel} --mqar-steps "
-                        f"{args.mqar_steps} --mqar-batch {args.mqar_batch} --mqar-length {args.mqar_length}: choose models from "
-                        f"{','.join(MODELS)}, a positive token budget, --parallel >= 1, --mqar-steps >= 0, "
+                        f"{args.mqar_steps} --mqar-batch {args.mqar_batch} --mqar-length {args.mqar_length}: choose "
+                        f"models from {','.join(MODELS)}, a positive token budget, --parallel >= 1, --mqar-steps >= 0, "
                         "--mqar-batch >= 1 and --mqar-length >= 4")
     files = data_files(os.path.abspath(args.data_dir))
     existing = existing_results(args) if args.recall_only else None
@@ -394,8 +397,8 @@ def merge_recall(args, result: dict, label: str, rows: list) -> None:
 
     result["models"][label]["recall"] = rows
     result["meta"].update(mqar_steps=args.mqar_steps, mqar_batch=args.mqar_batch,
-                          mqar_length=min(args.mqar_length, result["meta"]["train_length"]), recall_commit=git_commit(),
-                          recall_date=time.strftime("%Y-%m-%d"))
+                          mqar_length=mqar_of(args).train_length(result["meta"]["train_length"]),
+                          recall_commit=git_commit(), recall_date=time.strftime("%Y-%m-%d"))
     write(args.results, result)
 
 
