@@ -210,6 +210,8 @@ def _bad_inputs(ckpt, prefix, root):
         "missing generate checkpoint": _cli(["generate", "--checkpoint", os.path.join(root, "nope"), "--prompt", "a"]),
         "MQAR longer than the model": _cli(["eval", "recall", "--train-config", "demo", "--train-length", "1000",
                                             "--out", os.path.join(root, "bad-recall")]),
+        "MQAR training options with a checkpoint": _cli(["eval", "recall", "--checkpoint", ckpt, "--train-length",
+                                                         "64", "--out", os.path.join(root, "bad-recall")]),
     }
 
 
@@ -307,6 +309,7 @@ def test_bad_inputs_one_line_exit_2(results):
     assert "fewer than" in results["bad"]["too few tokens"][2]
     assert "--max-new-tokens" in results["bad"]["prompt too long"][2]
     assert "--train-length 1000" in results["bad"]["MQAR longer than the model"][2]
+    assert "--train-config" in results["bad"]["MQAR training options with a checkpoint"][2]
 
 
 def test_results_summary_keeps_going_on_any_json(tmp_path):

@@ -4,7 +4,8 @@ H = 16, K = V = 128, bf16, next to causal SDPA (flash, cuDNN) and fla's chunk_ga
 Also prints the op's dot FLOPs and HBM bytes per token-head (model of the kernels as written) and the floor they
 give at the measured matmul and copy peaks, and the decode step's time per token. Settings other than the
 defaults run as `InterdomainPlan`s passed to the op (nothing here changes module state). Usage:
-python tools/bench_interdomain.py [--quick] [--only-ours]; `--compile-report` needs no GPU: it compiles every
+python tools/bench_interdomain.py [--quick] [--only-ours] [--paper]; `--paper` runs the paper's shapes (12 and 32 heads
+x 64, M = 64, a full complex readout) against SDPA at the same heads; `--compile-report` needs no GPU: it compiles every
 scan.py and readout.py kernel for sm_90 and prints registers, local memory, shared memory and wgmma / mma counts.
 """
 import argparse
@@ -203,6 +204,51 @@ def scan_sweep(M=32, C=64, Ts=(4096, 8192, 16384, 65536)):
     return rows
 
 
+PAPER_SHAPES = ((12, 64), (32, 64))  # (heads, head dim): the paper's 125M and 1.3B, K = V = R = M = 64
+
+
+def paper_inputs(T, heads, dim, M=64, tokens=TOKENS, device="cuda"):
+    """The op at a paper shape with a full complex readout C [H, M, M, 2] (random, scaled so that C^T conj(C) stays
+    near the identity's size): the forward closure and the leaves that take gradients (C included)."""
+    g = torch.Generator(device=device).manual_seed(0)
+    shape = (tokens // T, T, heads, dim)
+    q = torch.rand(*shape, device=device, generator=g).bfloat16().requires_grad_()
+    k = (torch.rand(*shape, device=device, generator=g) / dim).bfloat16().requires_grad_()
+    v = torch.randn(*shape, device=device, generator=g).bfloat16().requires_grad_()
+    decay = torch.stack((-torch.rand(heads, M, device=device) * 0.2, torch.rand(heads, M, device=device)), -1)
+    b = torch.randn(heads, M, 2, device=device)
+    readout = torch.randn(heads, M, M, 2, device=device) / (2 * M) ** 0.5
+    leaves = [q, k, v, decay.requires_grad_(), b.requires_grad_(), readout.requires_grad_()]
+    return (lambda: interdomain_attention(q, k, v, decay, b, readout=readout)[0]), leaves
+
+
+def paper_rows(Ts, budget_s, start):
+    """Ours (full readout, M = 64) against causal SDPA (cuDNN, flash) at each paper shape and T, fwd+bwd; each row
+    also shows SDPA-cuDNN's time over ours (>= 1: ours faster) and the cost model's floor."""
+    rows, mm_peak, bw_peak = [], matmul_peak_tflops(), copy_peak_tbps()
+    for heads, dim in PAPER_SHAPES:
+        f_f, f_fb, b_f, b_fb = cost_model(64, K=dim, V=dim)
+        f_fb += 2 * 12 * 64 * 64  # the readout: 4 M^2 forward and 8 M^2 bwd_a multiply-adds per token and head
+        floor = max(TOKENS * heads * f_fb / (mm_peak * 1e12), TOKENS * heads * b_fb / (bw_peak * 1e12)) * 1e3
+        for T in Ts:
+            if time.time() - start > budget_s:
+                print(f"skipped {heads}x{dim} T={T}: over the time budget", flush=True)
+                continue
+            fwd, leaves = paper_inputs(T, heads, dim)
+            do = torch.randn_like(fwd())
+            ours_ms = _measure(fwd, lambda: torch.autograd.backward(fwd(), do), leaves)
+            cudnn = sdpa(T, "cudnn", heads, dim)
+            flash = sdpa(T, "flash", heads, dim)
+            rows.append({"shape": f"{heads}x{dim}", "T": T, "ours_fwd_ms": ours_ms[0], "ours_fwdbwd_ms": ours_ms[1],
+                         "ours_peak_MiB": ours_ms[2], "cudnn_fwdbwd_ms": cudnn[1], "flash_fwdbwd_ms": flash[1],
+                         "cudnn/ours": cudnn[1] / ours_ms[1], "floor_fwdbwd_ms": floor,
+                         "ours/floor": ours_ms[1] / floor})
+            print(format_table(rows[-1:]), flush=True)
+            del fwd, leaves, do
+            torch.cuda.empty_cache()
+    return rows, {"matmul_peak_tflops": round(mm_peak, 1), "copy_peak_tbps": round(bw_peak, 2)}
+
+
 def _measure(fwd, fb, leaves=None):
     """Forward and forward+backward milliseconds and the peak memory. The inputs' .grad is reset before each timed
     backward: in a model q, k, v come out of projections and nothing accumulates into them, while adding into the
@@ -214,18 +260,19 @@ def _measure(fwd, fb, leaves=None):
     return t_f, t_fb, mem
 
 
-def sdpa(T, backend):
+def sdpa(T, backend, heads=H, dim=D):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     B = TOKENS // T
-    q, k, v = (torch.randn(B, H, T, D, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    q, k, v = (torch.randn(B, heads, T, dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+               for _ in range(3))
     be = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}[backend]
 
     def fwd():
         with sdpa_kernel(be):
             return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
-    do = torch.randn(B, H, T, D, device="cuda", dtype=torch.bfloat16)
+    do = torch.randn(B, heads, T, dim, device="cuda", dtype=torch.bfloat16)
     return _measure(fwd, lambda: torch.autograd.backward(fwd(), do), [q, k, v])
 
 
@@ -304,7 +351,7 @@ def model_rows():
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--quick", action="store_true", help="T in {2K, 8K} only")
+    ap.add_argument("--quick", action="store_true", help="T in {2K, 8K} only (with --paper: 4K, 16K)")
     ap.add_argument("--budget-s", type=float, default=170.0, help="skip the remaining rows after this many seconds")
     ap.add_argument("--only-ours", action="store_true", help="skip the SDPA and fla rows")
     ap.add_argument("--compile-report", action="store_true",
@@ -312,7 +359,15 @@ def main():
     ap.add_argument("--scan-sweep", action="store_true", help="scan time against segment length and state tile")
     ap.add_argument("--sweep", action="store_true", help="each launch with the GPU build's registers and spills")
     ap.add_argument("--once", action="store_true", help="one fwd+bwd at T = 2K, M = 32 (profile_interdomain.sh)")
+    ap.add_argument("--paper", action="store_true",
+                    help="the paper's shapes (12 x 64 and 32 x 64, M = 64, full readout) against SDPA, 2K to 64K")
     args = ap.parse_args()
+    if args.paper:
+        rows, extra = paper_rows([4096, 16384] if args.quick else [2048, 4096, 16384, 65536], args.budget_s,
+                                 time.time())
+        extra["shape"] = f"B*T={TOKENS}, K=V=R=M=64, bf16, full readout C; SDPA causal at the same heads"
+        print(save_results("interdomain-paper", rows, extra))
+        return
     if args.once:
         torch.autograd.backward(_inputs_and_fwd(2048, 32)[0](), torch.ones(TOKENS // 2048, 2048, H, D, device="cuda",
                                                                          dtype=torch.bfloat16))

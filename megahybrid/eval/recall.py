@@ -198,6 +198,9 @@ def run(args) -> int:
     settings = settings_from(args)
     if bool(args.checkpoint) == bool(args.train_config):
         raise UserError("give either --checkpoint PATH (zero-shot) or --train-config CONFIG (train on MQAR first)")
+    if args.checkpoint and (args.train_steps or args.train_length or args.overrides):
+        raise UserError("--train-steps, --train-length and key=value overrides train a fresh model: use them with "
+                        "--train-config CONFIG, not with --checkpoint (which is scored zero-shot)")
     if args.checkpoint:
         loaded, trained = load(args.checkpoint, args.precision, max_length=max(settings.lengths)), None
     else:
