@@ -72,20 +72,29 @@ def test_repro_small_end_to_end_on_cpu(data_dir, tmp_path, capsys, monkeypatch):
 
 def _recall_only_merges_into_the_results(tool, argv, results, tmp_path, capsys):
     """--recall-only on a fresh run root (the training's run dirs gone, as on a new device machine): the config
-    is written again, `I`'s recall is measured anew at the given MQAR batch, `H`'s is left as it was."""
+    is written again, `I`'s recall is measured anew with another MQAR protocol (batch, task vocabulary, a model
+    override), and `H`'s rows, measured with the first protocol, are dropped (the table names one protocol) while
+    the rest of its record stays."""
     before = json.load(open(results + ".json"))
     fresh_root = str(tmp_path / "fresh-runs")
     again = [*argv[:argv.index("--run-root")], "--run-root", fresh_root, *argv[argv.index("--run-root") + 2:]]
     again[again.index("--models") + 1] = "I"
-    assert tool.main([*again, "--recall-only", "--mqar-batch", "2"]) == 0, capsys.readouterr()
+    assert tool.main([*again, "--recall-only", "--mqar-batch", "2", "--mqar-vocab", "256", "--mqar-overrides",
+                      "optimizer.lr=1e-3"]) == 0, capsys.readouterr()
     after = json.load(open(results + ".json"))
     assert os.path.isfile(os.path.join(fresh_root, "I", "config.yaml"))
     assert after["meta"]["mqar_batch"] == 2 and after["meta"]["recall_commit"]
-    assert after["models"]["H"] == before["models"]["H"]
+    assert after["meta"]["mqar_vocab"] == 256 and after["meta"]["mqar_overrides"] == ["optimizer.lr=1e-3"]
+    recall = json.load(open(os.path.join(fresh_root, "eval-recall-I", "recall.json")))["meta"]
+    assert recall["settings"]["vocab"] == 256 and "optimizer.lr=1e-3" in recall["trained"]["overrides"], recall
+    assert after["models"]["H"]["recall"] == [] and before["models"]["H"]["recall"]
+    assert {k: v for k, v in after["models"]["H"].items() if k != "recall"} == \
+        {k: v for k, v in before["models"]["H"].items() if k != "recall"}
     assert {k: v for k, v in after["models"]["I"].items() if k != "recall"} == \
         {k: v for k, v in before["models"]["I"].items() if k != "recall"}
     assert {r["task"] for r in after["models"]["I"]["recall"]} == {"mqar", "niah"}
     assert "trained on MQAR for 2 steps of 2 sequences" in open(results + ".md").read()
+    assert "task vocabulary 256, MQAR model optimizer.lr=1e-3" in open(results + ".md").read()
 
 
 def test_gated_interdomain_model_is_I_with_its_output_gate(data_dir):
@@ -117,6 +126,10 @@ def test_missing_data_and_bad_models_one_line(tmp_path, capsys):
         assert tool.main(argv) == 2
         err = capsys.readouterr().err
         assert err.startswith(f"error: {message}") and len(err.strip().splitlines()) == 1, err
+    for argv in (["--mqar-vocab", "100"], ["--mqar-overrides", "optimizer.lr"]):
+        assert tool.main(argv) == 2
+        err = capsys.readouterr().err
+        assert "--mqar-vocab >= 197" in err and len(err.strip().splitlines()) == 1, err
 
 
 @pytest.mark.slow
@@ -165,3 +178,20 @@ def test_recall_is_handed_over_model_by_model(monkeypatch):
     with pytest.raises(tool.UserError, match="recall cut short"):
         tool.recall_all(["S", "I"], "runs", 64, tool.Mqar(2), 1, lambda label, rows: done.append((label, rows)))
     assert done == [("S", [{"task": "mqar", "accuracy": 0.5}])]
+
+
+def test_recall_of_another_mqar_protocol_is_not_kept_beside_the_new_one():
+    """--recall-only with other MQAR settings than the file's: the rows of every model go (the meta names one
+    protocol); with the same settings the other models' rows stay."""
+    tool = _tool()
+
+    def result():
+        rows = [{"task": "mqar", "length": 256, "keys": 4, "accuracy": 0.5}]
+        return {"meta": {"train_length": 1024, "mqar_steps": 500, "mqar_batch": 16, "mqar_length": 256},
+                "models": {"S": {"recall": list(rows)}, "I": {"recall": list(rows)}}}
+
+    same, other = result(), result()
+    tool.drop_other_protocol(same, tool.Mqar(500, 16, 256))
+    tool.drop_other_protocol(other, tool.Mqar(1000, 64, 256))
+    assert all(m["recall"] for m in same["models"].values())
+    assert not any(m["recall"] for m in other["models"].values())

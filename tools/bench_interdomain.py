@@ -249,6 +249,31 @@ def paper_rows(Ts, budget_s, start):
     return rows, {"matmul_peak_tflops": round(mm_peak, 1), "copy_peak_tbps": round(bw_peak, 2)}
 
 
+def paper_breakdown(T=4096, heads=12, dim=64, iters=5, device="cuda"):
+    """Milliseconds per fwd+bwd of each kernel (CUDA time by kernel name from torch.profiler, summed over its launches
+    in one step, averaged over `iters` steps) at a paper shape: where the time of the readout path goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fwd, leaves = paper_inputs(T, heads, dim, device=device)
+    do = torch.randn_like(fwd())
+    step = lambda: torch.autograd.backward(fwd(), do)  # noqa: E731
+    step()
+    cuda = device == "cuda"
+    with profile(activities=[ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]) as prof:
+        for _ in range(iters):
+            for leaf in leaves:
+                leaf.grad = None
+            step()
+        if cuda:
+            torch.cuda.synchronize()
+    times = {}
+    for event in prof.key_averages():
+        us = event.device_time_total if cuda else event.self_cpu_time_total
+        if us > 0 and (cuda or not event.key.startswith(("aten::", "autograd::", "["))):
+            times[event.key[:60]] = round(us / iters / 1e3, 3)
+    return dict(sorted(times.items(), key=lambda kv: -kv[1]))
+
+
 def _measure(fwd, fb, leaves=None):
     """Forward and forward+backward milliseconds and the peak memory. The inputs' .grad is reset before each timed
     backward: in a model q, k, v come out of projections and nothing accumulates into them, while adding into the
@@ -366,6 +391,8 @@ def main():
         rows, extra = paper_rows([4096, 16384] if args.quick else [2048, 4096, 16384, 65536], args.budget_s,
                                  time.time())
         extra["shape"] = f"B*T={TOKENS}, K=V=R=M=64, bf16, full readout C; SDPA causal at the same heads"
+        extra["kernel ms per fwd+bwd, 12 x 64, T = 4096 (torch.profiler)"] = paper_breakdown()
+        print(extra)
         print(save_results("interdomain-paper", rows, extra))
         return
     if args.once:

@@ -22,16 +22,25 @@ run_tests() {  # NAME PATHS...: stops at 290 s with a summary (SIGINT), the log 
 if [ "$mode" = pending ]; then  # every GPU test has passed on the H200 at 669598c (session 13): nothing pending
   echo "nothing pending: every GPU test passed on the H200 at 669598c (tools/results/gpu-tests-2026-12-02.md)"
 fi
-if [ "$mode" = recall ]; then  # #20: MQAR recall of the six repro-small models (fresh models, dense 256-token MQAR,
-  # 2000 steps of 64), merged into a copy of the current result in $OUT; carry .carry (the 8K-vocab Wikipedia split)
+if [ "$mode" = recall ]; then  # #20: MQAR recall of repro-small architectures, each as a narrow MQAR model (d 128,
+  # lr 1e-3, an 83-value task vocabulary: what learned recall on the CPU, session 13), 3000 steps of 64 at 256 tokens,
+  # merged into a copy of the current result in $OUT; carry .carry (the 8K-vocab Wikipedia split). Three models a
+  # call (RECALL_MODELS); the 20M models at full vocabulary learned no recall in 1000 steps (session 13).
   mkdir -p data && ln -sfn "$PWD/.carry/wiki8k" data/wikipedia-en-8k
   cp tools/results/repro-small.json "${OUT:-/tmp}/"
   timeout -s INT -k 10 560 python3 tools/repro_small.py --data-dir data/wikipedia-en-8k --tokens 100000000 \
-    --parallel 6 --recall-only --mqar-batch 64 --run-root /tmp/rr --results "${OUT:-/tmp}/repro-small" 2>&1 | tail -12
+    --models "${RECALL_MODELS:-S,I,H}" --parallel 3 --recall-only --mqar-steps 3000 --mqar-batch 64 \
+    --mqar-vocab 256 \
+    --mqar-overrides model.hidden_size=128,model.num_heads=2,model.ffn_hidden_size=512,optimizer.lr=1e-3 \
+    --run-root /tmp/rr --results "${OUT:-/tmp}/repro-small" 2>&1 | tail -12
+  for log in /tmp/rr/eval-recall-*/recall.log; do
+    tail -c 4000 "$log" > "${OUT:-/tmp}/$(basename "$(dirname "$log")").log"
+  done
 fi
 if [ "$mode" = paper ]; then  # #12: the op at the paper's shapes (12 and 32 heads x 64, M = 64, full readout)
   # against SDPA, 2K to 64K; the results files copied to $OUT
-  timeout -k 5 280 python3 tools/bench_interdomain.py --paper --budget-s 200 2>&1 | tee "${OUT:-/tmp}/paper.log" | tail -12
+  timeout -k 5 280 python3 tools/bench_interdomain.py --paper --budget-s 200 2>&1 | tee "${OUT:-/tmp}/paper.log" |
+    tail -14
   cp tools/results/interdomain-paper.* "${OUT:-/tmp}/"
 fi
 if [ "$mode" = precision ]; then  # the fp32 dot precision choices compared per op (issue #11), about 5 minutes

@@ -56,14 +56,22 @@ class Mqar:
     steps: int
     batch: int | None = None
     length: int = 256
+    vocab: int | None = None  # token ids of the task (eval recall --vocab); None: the model's vocabulary
+    overrides: tuple = ()  # key=value for the MQAR model and optimizer only (a narrower model, another lr)
 
     def train_length(self, seq: int) -> int:
         return min(self.length, seq)
 
     def args(self, config: str, seq: int) -> list:
         batch = [f"batch.global_batch_size={self.batch}", f"batch.micro_batch_size={self.batch}"] if self.batch else []
+        vocab = ["--vocab", str(self.vocab)] if self.vocab else []
         return ["--train-config", config, "--train-steps", str(self.steps), "--train-length",
-                str(self.train_length(seq)), *batch]
+                str(self.train_length(seq)), *vocab, *batch, *self.overrides]
+
+    def record(self, seq: int) -> dict:
+        """The results meta's description of this protocol (rows of two protocols never share a table)."""
+        return {"mqar_steps": self.steps, "mqar_batch": self.batch, "mqar_length": self.train_length(seq),
+                "mqar_vocab": self.vocab, "mqar_overrides": list(self.overrides)}
 
 
 def data_files(data_dir: str) -> dict:
@@ -282,6 +290,8 @@ def _recall_source(meta: dict) -> str:
     at = f" at commit {meta['recall_commit']}" if meta.get("recall_commit") else ""
     per_step = f" of {batch} sequences" if batch else ""
     per_step += f" of {meta['mqar_length']} tokens" if meta.get("mqar_length") else ""
+    per_step += f", task vocabulary {meta['mqar_vocab']}" if meta.get("mqar_vocab") else ""
+    per_step += f", MQAR model {' '.join(meta['mqar_overrides'])}" if meta.get("mqar_overrides") else ""
     return (f"a fresh model of each architecture trained on MQAR for {steps} steps{per_step}{at}" if steps
             else "zero-shot on the language models")
 
@@ -316,6 +326,12 @@ def parse(argv):
     parser.add_argument("--mqar-length", type=int, default=256,
                         help="MQAR training length, capped at the run's context: a few times the largest key count "
                              "keeps the queries dense (at 1024 tokens 500 steps taught no model recall)")
+    parser.add_argument("--mqar-vocab", type=int, default=None,
+                        help="token ids of the recall tasks (eval recall --vocab; default: the model's): a small one "
+                             "(256: 83 values) is learned in far fewer steps than 8192 (2729 values)")
+    parser.add_argument("--mqar-overrides", default="",
+                        help="comma-separated key=value for the MQAR model only, e.g. model.hidden_size=128,"
+                             "model.num_heads=2,optimizer.lr=1e-3 (a zoology-style narrow model per mixer)")
     parser.add_argument("--recall-only", action="store_true",
                         help="measure recall only and merge it into the existing PATH.json (no training)")
     parser.add_argument("--results", default=os.path.join(REPO, "tools", "results", "repro-small"),
@@ -327,11 +343,15 @@ def parse(argv):
 def run(args) -> int:
     labels = [m for m in args.models.split(",") if m]
     if (not labels or set(labels) - set(MODELS) or args.tokens < 1 or args.parallel < 1 or args.mqar_steps < 0
-            or (args.mqar_batch is not None and args.mqar_batch < 1) or args.mqar_length < 4):
+            or (args.mqar_batch is not None and args.mqar_batch < 1) or args.mqar_length < 4
+            or (args.mqar_vocab is not None and args.mqar_vocab < 3 * max(MQAR_KEYS) + 5)
+            or any("=" not in o for o in args.mqar_overrides.split(",") if o)):
         raise UserError(f"--models {args.models} --tokens {args.tokens} --parallel {args.parallel} --mqar-steps "
-                        f"{args.mqar_steps} --mqar-batch {args.mqar_batch} --mqar-length {args.mqar_length}: choose "
-                        f"models from {','.join(MODELS)}, a positive token budget, --parallel >= 1, --mqar-steps >= 0, "
-                        "--mqar-batch >= 1 and --mqar-length >= 4")
+                        f"{args.mqar_steps} --mqar-batch {args.mqar_batch} --mqar-length {args.mqar_length} "
+                        f"--mqar-vocab {args.mqar_vocab} --mqar-overrides {args.mqar_overrides!r}: choose models from "
+                        f"{','.join(MODELS)}, a positive token budget, --parallel >= 1, --mqar-steps >= 0, "
+                        f"--mqar-batch >= 1, --mqar-length >= 4, --mqar-vocab >= {3 * max(MQAR_KEYS) + 5} (the "
+                        "largest key count fits) and key=value overrides")
     files = data_files(os.path.abspath(args.data_dir))
     existing = existing_results(args) if args.recall_only else None
     run_root = os.path.abspath(args.run_root or os.path.join(REPO, "runs", f"repro-small-{args.tokens}"))
@@ -358,7 +378,8 @@ def run(args) -> int:
 
 
 def mqar_of(args) -> Mqar:
-    return Mqar(args.mqar_steps, args.mqar_batch, args.mqar_length)
+    return Mqar(args.mqar_steps, args.mqar_batch, args.mqar_length, args.mqar_vocab,
+                tuple(o for o in args.mqar_overrides.split(",") if o))
 
 
 def existing_results(args) -> dict:
@@ -386,9 +407,20 @@ def recall_only(args, result: dict, labels: list, overrides: dict, run_root: str
             os.makedirs(os.path.dirname(config), exist_ok=True)
             with open(config, "w") as f:
                 f.write(load_config(CONFIG, overrides[label]).to_yaml())
+    drop_other_protocol(result, mqar_of(args))
     recall_all(labels, run_root, seq, mqar_of(args), args.parallel,
                lambda label, rows: merge_recall(args, result, label, rows))
     return 0
+
+
+def drop_other_protocol(result: dict, mqar: Mqar) -> None:
+    """Forget every model's recall rows when they were measured with another MQAR training (steps, batch, length)
+    than this run's: the results meta names one protocol, so rows of two must not share a table. Written at the
+    first merge (merge_recall), so an unchanged file stays as it was until a row of the new protocol exists."""
+    meta, want = result["meta"], mqar.record(result["meta"]["train_length"])
+    if {key: meta.get(key, [] if key == "mqar_overrides" else None) for key in want} != want:
+        for model in result["models"].values():
+            model["recall"] = []
 
 
 def merge_recall(args, result: dict, label: str, rows: list) -> None:
@@ -396,9 +428,8 @@ def merge_recall(args, result: dict, label: str, rows: list) -> None:
     from megahybrid.outputs import git_commit
 
     result["models"][label]["recall"] = rows
-    result["meta"].update(mqar_steps=args.mqar_steps, mqar_batch=args.mqar_batch,
-                          mqar_length=mqar_of(args).train_length(result["meta"]["train_length"]),
-                          recall_commit=git_commit(), recall_date=time.strftime("%Y-%m-%d"))
+    result["meta"].update(mqar_of(args).record(result["meta"]["train_length"]), recall_commit=git_commit(),
+                          recall_date=time.strftime("%Y-%m-%d"))
     write(args.results, result)
 
 
