@@ -104,21 +104,26 @@ def copy_peak_tbps():
     return 2 * x.numel() / (time_ms(lambda: y.copy_(x)) * 1e-3) / 1e12
 
 
-def _inputs_and_fwd(T, M, C=64, plan=DEFAULT_PLAN):
+def _inputs_and_fwd(T, M, C=64, plan=DEFAULT_PLAN, heads=H, dim=D, readout=False, device="cuda"):
+    """Random inputs at B*T = TOKENS: the op's forward closure and the leaves that take gradients. readout: a full
+    complex C [H, M, M, 2] too (random, scaled so that C^T conj(C) stays near the identity's size)."""
     B = TOKENS // T
-    g = torch.Generator(device="cuda").manual_seed(0)
-    q = torch.rand(B, T, H, D, device="cuda", generator=g).bfloat16().requires_grad_()
-    k = (torch.rand(B, T, H, D, device="cuda", generator=g) / D).bfloat16().requires_grad_()
-    v = torch.randn(B, T, H, D, device="cuda", generator=g).bfloat16().requires_grad_()
-    decay = torch.stack((-torch.rand(H, M, device="cuda") * 0.2, torch.rand(H, M, device="cuda")), -1)
+    g = torch.Generator(device=device).manual_seed(0)
+    q = torch.rand(B, T, heads, dim, device=device, generator=g).bfloat16().requires_grad_()
+    k = (torch.rand(B, T, heads, dim, device=device, generator=g) / dim).bfloat16().requires_grad_()
+    v = torch.randn(B, T, heads, dim, device=device, generator=g).bfloat16().requires_grad_()
+    decay = torch.stack((-torch.rand(heads, M, device=device) * 0.2, torch.rand(heads, M, device=device)), -1)
     decay.requires_grad_()
-    b = torch.randn(H, M, 2, device="cuda").requires_grad_()
-    return (lambda: interdomain_attention(q, k, v, decay, b, chunk_size=C, plan=plan)[0]), [q, k, v, decay, b]
+    b = torch.randn(heads, M, 2, device=device).requires_grad_()
+    c = (torch.randn(heads, M, M, 2, device=device) / (2 * M) ** 0.5).requires_grad_() if readout else None
+    leaves = [q, k, v, decay, b] + ([c] if readout else [])
+    return (lambda: interdomain_attention(q, k, v, decay, b, chunk_size=C, readout=c, plan=plan)[0]), leaves
 
 
-def ours(T, M, C=64, accumulate=False, plan=DEFAULT_PLAN):
-    fwd, leaves = _inputs_and_fwd(T, M, C, plan)
-    do = torch.randn(TOKENS // T, T, H, D, device="cuda", dtype=torch.bfloat16)
+def ours(T, M, C=64, accumulate=False, plan=DEFAULT_PLAN, heads=H, dim=D, readout=False):
+    """(fwd ms, fwd+bwd ms, peak MiB) of the op on random inputs (_inputs_and_fwd)."""
+    fwd, leaves = _inputs_and_fwd(T, M, C, plan, heads=heads, dim=dim, readout=readout)
+    do = torch.randn(TOKENS // T, T, heads, dim, device="cuda", dtype=torch.bfloat16)
     return _measure(fwd, lambda: torch.autograd.backward(fwd(), do), None if accumulate else leaves)
 
 
@@ -205,21 +210,7 @@ def scan_sweep(M=32, C=64, Ts=(4096, 8192, 16384, 65536)):
 
 
 PAPER_SHAPES = ((12, 64), (32, 64))  # (heads, head dim): the paper's 125M and 1.3B, K = V = R = M = 64
-
-
-def paper_inputs(T, heads, dim, M=64, tokens=TOKENS, device="cuda"):
-    """The op at a paper shape with a full complex readout C [H, M, M, 2] (random, scaled so that C^T conj(C) stays
-    near the identity's size): the forward closure and the leaves that take gradients (C included)."""
-    g = torch.Generator(device=device).manual_seed(0)
-    shape = (tokens // T, T, heads, dim)
-    q = torch.rand(*shape, device=device, generator=g).bfloat16().requires_grad_()
-    k = (torch.rand(*shape, device=device, generator=g) / dim).bfloat16().requires_grad_()
-    v = torch.randn(*shape, device=device, generator=g).bfloat16().requires_grad_()
-    decay = torch.stack((-torch.rand(heads, M, device=device) * 0.2, torch.rand(heads, M, device=device)), -1)
-    b = torch.randn(heads, M, 2, device=device)
-    readout = torch.randn(heads, M, M, 2, device=device) / (2 * M) ** 0.5
-    leaves = [q, k, v, decay.requires_grad_(), b.requires_grad_(), readout.requires_grad_()]
-    return (lambda: interdomain_attention(q, k, v, decay, b, readout=readout)[0]), leaves
+PAPER_M = 64
 
 
 def paper_rows(Ts, budget_s, start):
@@ -227,16 +218,14 @@ def paper_rows(Ts, budget_s, start):
     also shows SDPA-cuDNN's time over ours (>= 1: ours faster) and the cost model's floor."""
     rows, mm_peak, bw_peak = [], matmul_peak_tflops(), copy_peak_tbps()
     for heads, dim in PAPER_SHAPES:
-        f_f, f_fb, b_f, b_fb = cost_model(64, K=dim, V=dim)
-        f_fb += 2 * 12 * 64 * 64  # the readout: 4 M^2 forward and 8 M^2 bwd_a multiply-adds per token and head
+        f_f, f_fb, b_f, b_fb = cost_model(PAPER_M, K=dim, V=dim)
+        f_fb += 2 * 12 * PAPER_M**2  # the readout: 4 M^2 forward and 8 M^2 bwd_a multiply-adds per token and head
         floor = max(TOKENS * heads * f_fb / (mm_peak * 1e12), TOKENS * heads * b_fb / (bw_peak * 1e12)) * 1e3
         for T in Ts:
             if time.time() - start > budget_s:
                 print(f"skipped {heads}x{dim} T={T}: over the time budget", flush=True)
                 continue
-            fwd, leaves = paper_inputs(T, heads, dim)
-            do = torch.randn_like(fwd())
-            ours_ms = _measure(fwd, lambda: torch.autograd.backward(fwd(), do), leaves)
+            ours_ms = ours(T, PAPER_M, heads=heads, dim=dim, readout=True)
             cudnn = sdpa(T, "cudnn", heads, dim)
             flash = sdpa(T, "flash", heads, dim)
             rows.append({"shape": f"{heads}x{dim}", "T": T, "ours_fwd_ms": ours_ms[0], "ours_fwdbwd_ms": ours_ms[1],
@@ -244,7 +233,6 @@ def paper_rows(Ts, budget_s, start):
                          "cudnn/ours": cudnn[1] / ours_ms[1], "floor_fwdbwd_ms": floor,
                          "ours/floor": ours_ms[1] / floor})
             print(format_table(rows[-1:]), flush=True)
-            del fwd, leaves, do
             torch.cuda.empty_cache()
     return rows, {"matmul_peak_tflops": round(mm_peak, 1), "copy_peak_tbps": round(bw_peak, 2)}
 
@@ -254,7 +242,7 @@ def paper_breakdown(T=4096, heads=12, dim=64, iters=5, device="cuda"):
     in one step, averaged over `iters` steps) at a paper shape: where the time of the readout path goes."""
     from torch.profiler import ProfilerActivity, profile
 
-    fwd, leaves = paper_inputs(T, heads, dim, device=device)
+    fwd, leaves = _inputs_and_fwd(T, PAPER_M, heads=heads, dim=dim, readout=True, device=device)
     do = torch.randn_like(fwd())
     step = lambda: torch.autograd.backward(fwd(), do)  # noqa: E731
     step()

@@ -341,16 +341,18 @@ def parse(argv):
 
 
 def run(args) -> int:
+    from megahybrid.eval.recall import mqar_min_vocab  # torch: the tool imports it only once it runs
+
     labels = [m for m in args.models.split(",") if m]
     if (not labels or set(labels) - set(MODELS) or args.tokens < 1 or args.parallel < 1 or args.mqar_steps < 0
             or (args.mqar_batch is not None and args.mqar_batch < 1) or args.mqar_length < 4
-            or (args.mqar_vocab is not None and args.mqar_vocab < 3 * max(MQAR_KEYS) + 5)
+            or (args.mqar_vocab is not None and args.mqar_vocab < mqar_min_vocab(max(MQAR_KEYS)))
             or any("=" not in o for o in args.mqar_overrides.split(",") if o)):
         raise UserError(f"--models {args.models} --tokens {args.tokens} --parallel {args.parallel} --mqar-steps "
                         f"{args.mqar_steps} --mqar-batch {args.mqar_batch} --mqar-length {args.mqar_length} "
                         f"--mqar-vocab {args.mqar_vocab} --mqar-overrides {args.mqar_overrides!r}: choose models from "
                         f"{','.join(MODELS)}, a positive token budget, --parallel >= 1, --mqar-steps >= 0, "
-                        f"--mqar-batch >= 1, --mqar-length >= 4, --mqar-vocab >= {3 * max(MQAR_KEYS) + 5} (the "
+                        f"--mqar-batch >= 1, --mqar-length >= 4, --mqar-vocab >= {mqar_min_vocab(max(MQAR_KEYS))} (the "
                         "largest key count fits) and key=value overrides")
     files = data_files(os.path.abspath(args.data_dir))
     existing = existing_results(args) if args.recall_only else None
@@ -372,8 +374,9 @@ def run(args) -> int:
     result = record(labels, files, args.tokens, run_root, evaluate_ppl(labels, files, run_root, seq))
     write(args.results, result)  # before the recall stage: a call that ends during it keeps this (--recall-only)
     shutil.copyfile(os.path.join(run_root, "eval-ppl", "ppl.png"), args.results + ".png")
-    recall_all(labels, run_root, seq, mqar_of(args), args.parallel,
-               lambda label, rows: merge_recall(args, result, label, rows))
+    mqar = mqar_of(args)
+    recall_all(labels, run_root, seq, mqar, args.parallel,
+               lambda label, rows: merge_recall(mqar, args.results, result, label, rows))
     return 0
 
 
@@ -407,30 +410,32 @@ def recall_only(args, result: dict, labels: list, overrides: dict, run_root: str
             os.makedirs(os.path.dirname(config), exist_ok=True)
             with open(config, "w") as f:
                 f.write(load_config(CONFIG, overrides[label]).to_yaml())
-    drop_other_protocol(result, mqar_of(args))
-    recall_all(labels, run_root, seq, mqar_of(args), args.parallel,
-               lambda label, rows: merge_recall(args, result, label, rows))
+    mqar = mqar_of(args)
+    drop_other_protocol(result, mqar)
+    recall_all(labels, run_root, seq, mqar, args.parallel,
+               lambda label, rows: merge_recall(mqar, args.results, result, label, rows))
     return 0
 
 
 def drop_other_protocol(result: dict, mqar: Mqar) -> None:
-    """Forget every model's recall rows when they were measured with another MQAR training (steps, batch, length)
-    than this run's: the results meta names one protocol, so rows of two must not share a table. Written at the
-    first merge (merge_recall), so an unchanged file stays as it was until a row of the new protocol exists."""
+    """Forget every model's recall rows when they were measured with another MQAR training (steps, batch, length,
+    task vocabulary, model overrides; files from before the last two have neither) than this run's: the results
+    meta names one protocol, so rows of two must not share a table. Written at the first merge (merge_recall), so
+    an unchanged file stays as it was until a row of the new protocol exists."""
     meta, want = result["meta"], mqar.record(result["meta"]["train_length"])
     if {key: meta.get(key, [] if key == "mqar_overrides" else None) for key in want} != want:
         for model in result["models"].values():
             model["recall"] = []
 
 
-def merge_recall(args, result: dict, label: str, rows: list) -> None:
+def merge_recall(mqar: Mqar, path: str, result: dict, label: str, rows: list) -> None:
     """One model's recall rows into the results, written at once."""
     from megahybrid.outputs import git_commit
 
     result["models"][label]["recall"] = rows
-    result["meta"].update(mqar_of(args).record(result["meta"]["train_length"]), recall_commit=git_commit(),
+    result["meta"].update(mqar.record(result["meta"]["train_length"]), recall_commit=git_commit(),
                           recall_date=time.strftime("%Y-%m-%d"))
-    write(args.results, result)
+    write(path, result)
 
 
 def write(path: str, result: dict) -> None:

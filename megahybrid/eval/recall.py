@@ -55,10 +55,16 @@ class Ranges:
         return cls(FIRST_ID, (lo, lo + third), (lo + third, lo + 2 * third), (lo + 2 * third, lo + 3 * third))
 
 
+def mqar_min_vocab(num_keys: int) -> int:
+    """The smallest vocabulary whose key range (Ranges.of) holds `num_keys` distinct keys."""
+    return 3 * num_keys + FIRST_ID + 1
+
+
 def mqar_batch(rng, n: int, length: int, num_keys: int, r: Ranges) -> tuple[np.ndarray, np.ndarray]:
     """Tokens [n, length] and targets [n, length] (the value expected after a query key, -1 elsewhere)."""
     if r.keys[1] - r.keys[0] < num_keys:
-        raise UserError(f"MQAR with {num_keys} keys needs a vocabulary of more than {3 * num_keys + FIRST_ID} tokens")
+        raise UserError(f"MQAR with {num_keys} keys needs a vocabulary of more than {mqar_min_vocab(num_keys) - 1} "
+                        "tokens")
     tokens = np.full((n, length), r.filler, dtype=np.int64)
     targets = np.full((n, length), -1, dtype=np.int64)
     slots = (length - 2 * num_keys) // 2
