@@ -25,12 +25,14 @@ fi
 if [ "$mode" = recall ]; then  # #20: MQAR recall of repro-small architectures, each as a narrow MQAR model (d 128,
   # lr 1e-3, an 83-value task vocabulary: what learned recall on the CPU, session 13), 3000 steps of 64 at 256 tokens,
   # merged into a copy of the current result in $OUT; carry .carry (the 8K-vocab Wikipedia split). Three models a
-  # call (RECALL_MODELS); the 20M models at full vocabulary learned no recall in 1000 steps (session 13).
+  # call (RECALL_MODELS); the 20M models at full vocabulary learned no recall in 1000 steps (session 13). Run at
+  # 513bef4 (session 14): S, G, Hybrid learned recall, D, I, Ig none; I learns at 64 tokens on the CPU, so next:
+  # RECALL_MODELS=S,I,Ig MQAR_LENGTH=64, then 128, to find where I stops (tools/results/repro-small.md's note).
   mkdir -p data && ln -sfn "$PWD/.carry/wiki8k" data/wikipedia-en-8k
   cp tools/results/repro-small.json "${OUT:-/tmp}/"
   timeout -s INT -k 10 560 python3 tools/repro_small.py --data-dir data/wikipedia-en-8k --tokens 100000000 \
     --models "${RECALL_MODELS:-S,I,H}" --parallel 3 --recall-only --mqar-steps 3000 --mqar-batch 64 \
-    --mqar-vocab 256 \
+    --mqar-length "${MQAR_LENGTH:-256}" --mqar-vocab 256 \
     --mqar-overrides model.hidden_size=128,model.num_heads=2,model.ffn_hidden_size=512,optimizer.lr=1e-3 \
     --run-root /tmp/rr --results "${OUT:-/tmp}/repro-small" 2>&1 | tail -12
   for log in /tmp/rr/eval-recall-*/recall.log; do

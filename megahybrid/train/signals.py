@@ -6,6 +6,7 @@ with EXIT_REQUEUE. Once the trainer is set up (`defer()`), a signal is only reco
 saves and exits with EXIT_REQUEUE. A second Ctrl-C after that raises `Interrupted(abort=True)` at once (exit
 EXIT_ABORTED, no save; the run resumes from its last checkpoint).
 """
+import os
 import signal
 
 EXIT_REQUEUE, EXIT_ABORTED = 3, 130
@@ -38,6 +39,9 @@ class StopRequest:
     def __init__(self):
         self.signal_name = None
         self.deferring = False
+        self.install()
+
+    def install(self) -> None:
         for sig in STOP_SIGNALS:
             signal.signal(sig, self._handle)
 
@@ -46,7 +50,11 @@ class StopRequest:
         if not self.deferring:
             raise Interrupted(name, abort=False)
         if self.signal_name is not None and signum == signal.SIGINT:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)  # a third Ctrl-C must not kill the clean abort's exit
             raise Interrupted(name, abort=True)
+        if self.signal_name is None:  # os.write, not print: a handler may run in the middle of a print
+            os.write(2, f"received {name}: saving at the end of this step (Ctrl-C again aborts without saving)\n"
+                     .encode())
         self.signal_name = self.signal_name or name
 
     def defer(self) -> None:
@@ -67,4 +75,5 @@ def install_stop_handlers() -> StopRequest:
     if _CURRENT is None:
         _CURRENT = StopRequest()
     _CURRENT.signal_name, _CURRENT.deferring = None, False
+    _CURRENT.install()  # again: an abort ignores later Ctrl-C presses
     return _CURRENT
