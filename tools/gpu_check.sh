@@ -26,8 +26,9 @@ if [ "$mode" = recall ]; then  # #20: MQAR recall of repro-small architectures, 
   # lr 1e-3, an 83-value task vocabulary: what learned recall on the CPU, session 13), 3000 steps of 64 at 256 tokens,
   # merged into a copy of the current result in $OUT; carry .carry (the 8K-vocab Wikipedia split). Three models a
   # call (RECALL_MODELS); the 20M models at full vocabulary learned no recall in 1000 steps (session 13). Run at
-  # 513bef4 (session 14): S, G, Hybrid learned recall, D, I, Ig none; I learns at 64 and 128 tokens on the CPU (19 values), so
-  # next: RECALL_MODELS=S,I,Ig MQAR_LENGTH=128, then 64, to find what stops I at 256 on the GPU (tools/results/repro-small.md's note).
+  # 513bef4 (session 14): S, G, Hybrid learned recall, D, I, Ig none; I learns at 64 and 128 tokens on the CPU
+  # (19 values), so next: RECALL_MODELS=S,I,Ig MQAR_LENGTH=128, then 64, to find what stops I at 256 on the GPU
+  # (tools/results/repro-small.md's note).
   mkdir -p data && ln -sfn "$PWD/.carry/wiki8k" data/wikipedia-en-8k
   cp tools/results/repro-small.json "${OUT:-/tmp}/"
   timeout -s INT -k 10 560 python3 tools/repro_small.py --data-dir data/wikipedia-en-8k --tokens 100000000 \

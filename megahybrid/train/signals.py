@@ -39,7 +39,6 @@ class StopRequest:
     def __init__(self):
         self.signal_name = None
         self.deferring = False
-        self.install()
 
     def install(self) -> None:
         for sig in STOP_SIGNALS:
@@ -55,7 +54,7 @@ class StopRequest:
         if self.signal_name is None:  # os.write, not print: a handler may run in the middle of a print
             os.write(2, f"received {name}: saving at the end of this step (Ctrl-C again aborts without saving)\n"
                      .encode())
-        self.signal_name = self.signal_name or name
+            self.signal_name = name
 
     def defer(self) -> None:
         """From now on a stop is recorded and handled by the training loop."""
@@ -70,10 +69,10 @@ _CURRENT: StopRequest | None = None
 
 
 def install_stop_handlers() -> StopRequest:
-    """The handlers of this process, installed on the first call; a new run in the same process starts clean."""
+    """The process's one stop state, its handlers (re)installed: a new run in the same process starts clean."""
     global _CURRENT
     if _CURRENT is None:
         _CURRENT = StopRequest()
     _CURRENT.signal_name, _CURRENT.deferring = None, False
-    _CURRENT.install()  # again: an abort ignores later Ctrl-C presses
+    _CURRENT.install()  # every call: an earlier run's abort left Ctrl-C ignored
     return _CURRENT
