@@ -2,7 +2,7 @@
 # The GPU checks a device session runs, each part fitting one call: every gpu-marked test (each kernel's backward
 # against the fp32 reference ON the GPU: Triton 3.6 on Hopper miscompiles some layouts silently), then the
 # Interdomain benchmark. Run from the repo root on the device machine with `.whl` carried:
-#   MEGAHYBRID_COMMIT=<hash> bash tools/gpu_check.sh [pending|kernels|stack|bench|paper|precision|recall|all]
+#   MEGAHYBRID_COMMIT=<hash> bash tools/gpu_check.sh [pending|kernels|stack|bench|paper|precision|recall|recall-diag|all]
 # pending: the GPU tests of what changed since the last H200 run; kernels: tests/kernels (about 4 minutes); stack:
 # the other gpu tests, which train, export and decode models in subprocesses (about 5 minutes); all: both then
 # bench, more than one call's 10 minutes. The tests run in 14 processes (pytest-xdist, in the device image): one
@@ -19,8 +19,12 @@ run_tests() {  # NAME PATHS...: stops at 290 s with a summary (SIGINT), the log 
     "$@" 2>&1 | tee "${OUT:-/tmp}/gpu-tests-$name.log" | grep -E "^(FAILED|ERROR)|Timeout|passed|failed"
 }
 
-if [ "$mode" = pending ]; then  # every GPU test has passed on the H200 at 669598c (session 13): nothing pending
-  echo "nothing pending: every GPU test passed on the H200 at 669598c, the fla comparison at 513bef4 (tools/results/gpu-tests-2026-12-02.md)"
+if [ "$mode" = pending ]; then  # session 15 changed the Interdomain kernels (the power table's grid, the phased bwd_a,
+  # bwd_a's stores and partials in helpers): their GPU tests, then the bwd_a variants at the paper's 12 x 64 shape
+  run_tests interdomain tests/kernels/test_interdomain.py tests/kernels/test_interdomain_torch.py \
+    tests/kernels/test_custom_ops.py
+  timeout -k 5 200 python3 tools/bench_interdomain.py --paper-plans 2>&1 | tee "${OUT:-/tmp}/paper-plans.log" | tail -12
+  cp tools/results/interdomain-paper-plans.* "${OUT:-/tmp}/"
 fi
 if [ "$mode" = recall ]; then  # #20: MQAR recall of repro-small architectures, each as a narrow MQAR model (d 128,
   # lr 1e-3, an 83-value task vocabulary: what learned recall on the CPU, session 13), 3000 steps of 64 at 256 tokens,
@@ -39,6 +43,20 @@ if [ "$mode" = recall ]; then  # #20: MQAR recall of repro-small architectures, 
   for log in /tmp/rr/eval-recall-*/recall.log; do
     tail -c 4000 "$log" > "${OUT:-/tmp}/$(basename "$(dirname "$log")").log"
   done
+fi
+if [ "$mode" = recall-diag ]; then  # #20: what stops I's MQAR recall on the GPU (session 15). The narrow I of the CPU
+  # runs that learned (demo config, d 128, 2 heads, ffn 512, lr 1e-3, 3000 steps) in three variants side by side:
+  # A the CPU protocol (64 tokens, batches of 16, 19 values); B 128 tokens, batches of 64, 19 values; C 64 tokens,
+  # batches of 16, 83 values (--vocab 256), the GPU protocol's task vocabulary
+  narrow="model.pattern=I model.hidden_size=128 model.num_heads=2 model.ffn_hidden_size=512 optimizer.lr=1e-3"
+  diag() {  # NAME LENGTH BATCH VOCAB
+    timeout -s INT -k 10 560 python3 -m megahybrid eval recall --train-config demo --train-steps 3000 \
+      --train-length "$2" --lengths "$2" --keys 4,8,16 --vocab "$4" --out "/tmp/rd/$1" $narrow \
+      model.seq_length=128 "batch.global_batch_size=$3" "batch.micro_batch_size=$3" > "${OUT:-/tmp}/recall-diag-$1.log" 2>&1
+  }
+  diag A 64 16 64 & diag B 128 64 64 & diag C 64 16 256 &
+  wait
+  tail -n 9 "${OUT:-/tmp}"/recall-diag-*.log
 fi
 if [ "$mode" = paper ]; then  # #12: the op at the paper's shapes (12 and 32 heads x 64, M = 64, full readout)
   # against SDPA, 2K to 64K; the results files copied to $OUT
