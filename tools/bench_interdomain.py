@@ -262,44 +262,6 @@ def paper_breakdown(T=4096, heads=12, dim=64, iters=5, device="cuda"):
     return dict(sorted(times.items(), key=lambda kv: -kv[1]))
 
 
-PAPER_PLANS = {"mixed": DEFAULT_PLAN, "phased": dataclasses.replace(DEFAULT_PLAN, bwd_a_phased=True),
-               "mixed 8 warps": dataclasses.replace(DEFAULT_PLAN, warps_bwd_a=8),
-               "phased 8 warps": dataclasses.replace(DEFAULT_PLAN, bwd_a_phased=True, warps_bwd_a=8)}
-
-
-def paper_bwd_a(T, plan, heads=12, dim=64):
-    """Milliseconds, registers and spilled bytes (the GPU's own build) of the backward's first readout with a
-    readout P at a paper shape, M = 64."""
-    B, C, M = TOKENS // T, 64, PAPER_M
-    q, k, v, do = (torch.rand(B, T, heads, dim, device="cuda").bfloat16() for _ in range(4))
-    decay = torch.stack((-torch.rand(heads, M, device="cuda") * 0.2, torch.rand(heads, M, device="cuda")), -1)
-    b = torch.randn(heads, M, 2, device="cuda")
-    p = torch.randn(heads, M, M, 2, device="cuda") / M**0.5
-    pw = sc.powers(decay, C)
-    ub, gb = sc.scan(k, b, pw, decay, C)[0], sc.scan(v, b, pw, decay, C)[0]
-    a, da, araw, dar = (q.new_empty(B, T, heads, 2, M) for _ in range(4))
-    part = q.new_empty(B, heads, T // C, 4, M, dtype=torch.float32)
-    fn = lambda: ro.readout_bwd_a(q, k, v, do, ub, gb, b, pw, C, a=a, da=da, part=part, p=p, araw=araw,  # noqa: E731
-                                  dar=dar, plan=plan)
-    kern = fn()
-    return round(time_ms(fn), 3), kern.n_regs, kern.n_spills
-
-
-def paper_plan_rows(Ts=(4096, 16384)):
-    """The backward's first readout alone and the whole op (fwd+bwd) at 12 x 64, M = 64, under each of
-    PAPER_PLANS: which bwd_a variant and warp count to default to."""
-    rows = []
-    for T in Ts:
-        for name, plan in PAPER_PLANS.items():
-            ms, regs, spills = paper_bwd_a(T, plan)
-            op = ours(T, PAPER_M, heads=12, dim=64, readout=True, plan=plan)
-            rows.append({"T": T, "plan": name, "bwd_a_ms": ms, "regs": regs, "spills_B": spills,
-                         "op_fwd_ms": op[0], "op_fwdbwd_ms": op[1]})
-            print(format_table(rows[-1:]), flush=True)
-            torch.cuda.empty_cache()
-    return rows
-
-
 def _measure(fwd, fb, leaves=None):
     """Forward and forward+backward milliseconds and the peak memory. The inputs' .grad is reset before each timed
     backward: in a model q, k, v come out of projections and nothing accumulates into them, while adding into the
@@ -412,13 +374,7 @@ def main():
     ap.add_argument("--once", action="store_true", help="one fwd+bwd at T = 2K, M = 32 (profile_interdomain.sh)")
     ap.add_argument("--paper", action="store_true",
                     help="the paper's shapes (12 x 64 and 32 x 64, M = 64, full readout) against SDPA, 2K to 64K")
-    ap.add_argument("--paper-plans", action="store_true",
-                    help="bwd_a variants (mixed / phased, 4 / 8 warps) at 12 x 64, M = 64: the kernel and the op")
     args = ap.parse_args()
-    if args.paper_plans:
-        shape = {"shape": f"B*T={TOKENS}, 12 heads, K=V=M=64, bf16, full readout"}
-        print(save_results("interdomain-paper-plans", paper_plan_rows(), shape))
-        return
     if args.paper:
         rows, extra = paper_rows([4096, 16384] if args.quick else [2048, 4096, 16384, 65536], args.budget_s,
                                  time.time())

@@ -7,7 +7,7 @@ lam^(t-s) are taken over the lag n = t - s, whose coefficient lam^n (n >= 0) is 
 builds W'[t, n] = sum_m Re(a_t conj(b lam^n)) as a product and shears it back (W[t, s] = W'[t, t - s]). Kernels:
   _fwd_kernel          o from (q, k, U_c) and (v, Gamma_c); _fwd_mixed_kernel with a readout P
   _bwd_a_kernel        a and da per token, plus the intra-chunk parts of d(log lam) and db; _bwd_a_mixed_kernel
-                       with a readout P; _bwd_a_phased_kernel the same in phases holding fewer tiles at once
+                       with a readout P
   _bwd_part_kernel     dq, dk or dv (one launch each), the dk and dv launches with their shares of the state parts
                        of d(log lam) and db
 With mode tiles narrower than InterdomainPlan.fwd_stack_below the forward takes its products over the modes on
@@ -343,84 +343,10 @@ def _bwd_a(q_ptr, k_ptr, v_ptr, do_ptr, ub_ptr, gb_ptr, b_ptr, pw_ptr, a_ptr, da
 
 
 @triton.jit
-def _bwd_a_phased_kernel(q_ptr, k_ptr, v_ptr, do_ptr, ub_ptr, gb_ptr, b_ptr, pw_ptr, a_ptr, da_ptr, part_ptr, p_ptr,
-                         araw_ptr, dar_ptr, T, NC, H, M, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
-                         BM: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr):
-    """_bwd_a_mixed_kernel's results in phases that keep fewer [C, BM] tiles alive (InterdomainPlan.bwd_a_phased):
-    the readout P mixes all modes, so the mixed kernel's mode tile is all of M, and at M = 64 it held a, da, their
-    inter-chunk parts and two sheared [C, C] products at once. Here a P is stored and read back after the dO side,
-    each lag sum is taken as soon as its factors exist, and the inter-chunk terms of d(log lam) come from the
-    chunk-start states, sum_t (j+1) da_t conj(a_inter,t) = <conj U_c, Q^T X> with X = (j+1) da conj(lam^(j+1))
-    (_inter_sums), instead of keeping a_inter and da_inter."""
-    ic, i_bh, i_h, oc, ok, rows, om, mm, pw, br, bi = _chunk_program(b_ptr, pw_ptr, T, H, M, C, BM)
-    DT = q_ptr.dtype.element_ty
-    ub = ub_ptr + (i_bh * NC + ic) * 2 * M * K
-    gb = gb_ptr + (i_bh * NC + ic) * 2 * M * V
-    out = rows[:, None] * 2 * M + om[None, :]
-    mo = ok[:, None] & mm[None, :]
-    ar, ai, _, _, shq = _readout_a(x_ptr=q_ptr, z_ptr=k_ptr, sb=ub, pw=pw, br=br[None, :], bi=bi[None, :], rows=rows,
-                                   ok=ok, oc=oc, om=om, mm=mm, M=M, D=K, C=C, BD=BK, BM=BM, PREC=PREC)
-    _store_pair(araw_ptr, out, ar, ai, mo, M)
-    ar, ai = _mix_modes(xr=ar, xi=ai, p_ptr=p_ptr, i_h=i_h, om=om, mm=mm, M=M, PREC=PREC, ADJOINT=False)
-    _store_pair(a_ptr, out, ar, ai, mo, M)
-    gr, gi, _, _, shd = _readout_a(x_ptr=do_ptr, z_ptr=v_ptr, sb=gb, pw=pw, br=br[None, :], bi=bi[None, :],
-                                   rows=rows, ok=ok, oc=oc, om=om, mm=mm, M=M, D=V, C=C, BD=BV, BM=BM, PREC=PREC)
-    _store_pair(dar_ptr, out, gr, gi, mo, M)
-    gr, gi = _mix_modes(xr=gr, xi=gi, p_ptr=p_ptr, i_h=i_h, om=om, mm=mm, M=M, PREC=PREC, ADJOINT=True)
-    _store_pair(da_ptr, out, gr, gi, mo, M)
-    # lag sums c[n, m] = sum_t A[t, t-n] da_t + Ag[t, t-n] (a P)_t, as in _bwd_a (the transposes are of gathers)
-    sh = tl.trans(shq)
-    cr = tl.dot(sh, gr.to(DT), input_precision=PREC)
-    ci = tl.dot(sh, gi.to(DT), input_precision=PREC)
-    sr, si = lam_pow(pw, oc[:, None] + 1, om[None, :], mm[None, :], M)
-    wj = (oc + 1).to(tl.float32)[:, None]
-    xr, xi = cmul(gr, gi, sr, -si)
-    lr, li = _inter_sums(x_ptr=q_ptr, sb=ub, xr=wj * xr, xi=wj * xi, rows=rows, ok=ok, om=om, mm=mm, M=M, D=K, BD=BK,
-                         BM=BM, PREC=PREC)
-    tl.debug_barrier()  # a P was stored by other threads of this program
-    ar = tl.load(a_ptr + out, mask=mo, other=0.0).to(tl.float32)
-    ai = tl.load(a_ptr + out + M, mask=mo, other=0.0).to(tl.float32)
-    shg = tl.trans(shd)
-    cr += tl.dot(shg, ar.to(DT), input_precision=PREC)
-    ci += tl.dot(shg, ai.to(DT), input_precision=PREC)
-    xr, xi = cmul(ar, ai, sr, -si)
-    hr, hi = _inter_sums(x_ptr=do_ptr, sb=gb, xr=wj * xr, xi=wj * xi, rows=rows, ok=ok, om=om, mm=mm, M=M, D=V, BD=BV,
-                         BM=BM, PREC=PREC)
-    _lag_partials(part_ptr=part_ptr, cr=cr, ci=ci, lr=lr + hr, li=li + hi, pw=pw, br=br[None, :], bi=bi[None, :],
-                  oc=oc, om=om, mm=mm, i_bh=i_bh, NC=NC, ic=ic, M=M)
-
-
-@triton.jit
 def _store_pair(ptr, out, xr, xi, mask, M):
     """A complex [C, BM] tile into a [B, T, H, 2, M] buffer at offsets out (re; im M further on)."""
     tl.store(ptr + out, xr.to(ptr.dtype.element_ty), mask=mask)
     tl.store(ptr + out + M, xi.to(ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _inter_sums(x_ptr, sb, xr, xi, rows, ok, om, mm, M, D: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr,
-                PREC: tl.constexpr):
-    """sum_d conj(S[m, d]) Y[d, m] (re, im) [BM] with Y = Z^T X: Z [C, D] this chunk's features at x_ptr, X [C, BM]
-    complex, S the chunk-start state at sb. That is sum_t X_t conj(z_t . S[m]), z real; Z is loaded transposed, so
-    no product result is transposed."""
-    DT = x_ptr.dtype.element_ty
-    xr = xr.to(DT)
-    xi = xi.to(DT)
-    re = tl.zeros([BM], dtype=tl.float32)
-    im = tl.zeros([BM], dtype=tl.float32)
-    for d0 in tl.static_range(0, D, BD):
-        od = d0 + tl.arange(0, BD)
-        md = od < D
-        zt = tl.load(x_ptr + rows[None, :] * D + od[:, None], mask=md[:, None] & ok[None, :], other=0.0).to(DT)
-        yr = tl.dot(zt, xr, input_precision=PREC)
-        yi = tl.dot(zt, xi, input_precision=PREC)
-        st = om[None, :] * D + od[:, None]
-        ms = md[:, None] & mm[None, :]
-        s_r = tl.load(sb + st, mask=ms, other=0.0).to(tl.float32)
-        s_i = tl.load(sb + M * D + st, mask=ms, other=0.0).to(tl.float32)
-        re += tl.sum(s_r * yr + s_i * yi, 0)
-        im += tl.sum(s_r * yi - s_i * yr, 0)
-    return re, im
 
 
 @triton.jit
@@ -628,8 +554,7 @@ def readout_bwd_a(q, k, v, do, ub, gb, b, pw, C, *, a, da, part, p=None, araw=No
                 part_ptr=part, **dims, **tiles(q, v, b, plan), num_warps=plan.warps("bwd_a"))
     if p is None:
         return _bwd_a_kernel[grid](**args)
-    kernel = _bwd_a_phased_kernel if plan.bwd_a_phased else _bwd_a_mixed_kernel
-    return kernel[grid](**args, p_ptr=p, araw_ptr=araw, dar_ptr=dar)
+    return _bwd_a_mixed_kernel[grid](**args, p_ptr=p, araw_ptr=araw, dar_ptr=dar)
 
 
 GRAD_PARTS = {"dq": 1, "dk": 2, "dv": 4}

@@ -57,9 +57,6 @@ class InterdomainPlan:
 
     fused_readout: the fused recurrent kernel applies the readout (a P per token, P [M, M] complex in registers);
     off, a readout decodes on the chunk op's torch path instead.
-
-    bwd_a_phased: the backward's first readout with a readout P runs _bwd_a_phased_kernel (same results, fewer
-    [C, M] tiles alive at once) instead of _bwd_a_mixed_kernel (2.61 of 7.45 ms fwd+bwd at 12 x 64, 4K, M = 64).
     """
 
     warps_scan: int = 4
@@ -78,7 +75,6 @@ class InterdomainPlan:
     scan_tile: tuple = (32, 64)
     readout_on_gpu: bool = True
     fused_readout: bool = True
-    bwd_a_phased: bool = False
 
     def __post_init__(self):
         # The custom ops take a plan as an int, its index in PLANS, read here as a plain attribute so that it also
