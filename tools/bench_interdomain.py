@@ -5,7 +5,8 @@ Also prints the op's dot FLOPs and HBM bytes per token-head (model of the kernel
 give at the measured matmul and copy peaks, and the decode step's time per token. Settings other than the
 defaults run as `InterdomainPlan`s passed to the op (nothing here changes module state). Usage:
 python tools/bench_interdomain.py [--quick] [--only-ours] [--paper]; `--paper` runs the paper's shapes (12 and 32 heads
-x 64, M = 64, a full complex readout) against SDPA at the same heads; `--compile-report` needs no GPU: it compiles every
+x 64, M = 64, a full complex readout) against SDPA at the same heads, `--paper --plan bwd_a_split_tile=32` the same
+under a changed plan (interdomain-paper-plan.*); `--compile-report` needs no GPU: it compiles every
 scan.py and readout.py kernel for sm_90 and prints registers, local memory, shared memory and wgmma / mma counts.
 """
 import argparse
@@ -213,7 +214,7 @@ PAPER_SHAPES = ((12, 64), (32, 64))  # (heads, head dim): the paper's 125M and 1
 PAPER_M = 64
 
 
-def paper_rows(Ts, budget_s, start):
+def paper_rows(Ts, budget_s, start, plan=DEFAULT_PLAN):
     """Ours (full readout, M = 64) against causal SDPA (cuDNN, flash) at each paper shape and T, fwd+bwd; each row
     also shows SDPA-cuDNN's time over ours (>= 1: ours faster) and the cost model's floor."""
     rows, mm_peak, bw_peak = [], matmul_peak_tflops(), copy_peak_tbps()
@@ -225,7 +226,7 @@ def paper_rows(Ts, budget_s, start):
             if time.time() - start > budget_s:
                 print(f"skipped {heads}x{dim} T={T}: over the time budget", flush=True)
                 continue
-            ours_ms = ours(T, PAPER_M, heads=heads, dim=dim, readout=True)
+            ours_ms = ours(T, PAPER_M, heads=heads, dim=dim, readout=True, plan=plan)
             cudnn = sdpa(T, "cudnn", heads, dim)
             flash = sdpa(T, "flash", heads, dim)
             rows.append({"shape": f"{heads}x{dim}", "T": T, "ours_fwd_ms": ours_ms[0], "ours_fwdbwd_ms": ours_ms[1],
@@ -237,12 +238,12 @@ def paper_rows(Ts, budget_s, start):
     return rows, {"matmul_peak_tflops": round(mm_peak, 1), "copy_peak_tbps": round(bw_peak, 2)}
 
 
-def paper_breakdown(T=4096, heads=12, dim=64, iters=5, device="cuda"):
+def paper_breakdown(T=4096, heads=12, dim=64, iters=5, device="cuda", plan=DEFAULT_PLAN):
     """Milliseconds per fwd+bwd of each kernel (CUDA time by kernel name from torch.profiler, summed over its launches
     in one step, averaged over `iters` steps) at a paper shape: where the time of the readout path goes."""
     from torch.profiler import ProfilerActivity, profile
 
-    fwd, leaves = _inputs_and_fwd(T, PAPER_M, heads=heads, dim=dim, readout=True, device=device)
+    fwd, leaves = _inputs_and_fwd(T, PAPER_M, plan=plan, heads=heads, dim=dim, readout=True, device=device)
     do = torch.randn_like(fwd())
     step = lambda: torch.autograd.backward(fwd(), do)  # noqa: E731
     step()
@@ -260,6 +261,17 @@ def paper_breakdown(T=4096, heads=12, dim=64, iters=5, device="cuda"):
         if us > 0 and (cuda or not event.key.startswith(("aten::", "autograd::", "["))):
             times[event.key[:60]] = round(us / iters / 1e3, 3)
     return dict(sorted(times.items(), key=lambda kv: -kv[1]))
+
+
+def plan_from(pairs: list):
+    """DEFAULT_PLAN with KEY=VALUE fields changed (ints, or true / false)."""
+    fields = {}
+    for pair in pairs:
+        key, _, value = pair.partition("=")
+        if not hasattr(DEFAULT_PLAN, key) or not value:
+            raise SystemExit(f"--plan {pair}: write FIELD=VALUE with a field of InterdomainPlan")
+        fields[key] = {"true": True, "false": False}.get(value.lower(), int(value) if value.isdigit() else value)
+    return dataclasses.replace(DEFAULT_PLAN, **fields)
 
 
 def _measure(fwd, fb, leaves=None):
@@ -374,14 +386,19 @@ def main():
     ap.add_argument("--once", action="store_true", help="one fwd+bwd at T = 2K, M = 32 (profile_interdomain.sh)")
     ap.add_argument("--paper", action="store_true",
                     help="the paper's shapes (12 x 64 and 32 x 64, M = 64, full readout) against SDPA, 2K to 64K")
+    ap.add_argument("--plan", nargs="*", default=[], metavar="KEY=VALUE",
+                    help="with --paper: InterdomainPlan fields to change (results in interdomain-paper-plan.*)")
     args = ap.parse_args()
     if args.paper:
+        plan = plan_from(args.plan)
         rows, extra = paper_rows([4096, 16384] if args.quick else [2048, 4096, 16384, 65536], args.budget_s,
-                                 time.time())
+                                 time.time(), plan)
         extra["shape"] = f"B*T={TOKENS}, K=V=R=M=64, bf16, full readout C; SDPA causal at the same heads"
-        extra["kernel ms per fwd+bwd, 12 x 64, T = 4096 (torch.profiler)"] = paper_breakdown()
+        extra["kernel ms per fwd+bwd, 12 x 64, T = 4096 (torch.profiler)"] = paper_breakdown(plan=plan)
+        if args.plan:
+            extra["plan"] = " ".join(args.plan)
         print(extra)
-        print(save_results("interdomain-paper", rows, extra))
+        print(save_results("interdomain-paper-plan" if args.plan else "interdomain-paper", rows, extra))
         return
     if args.once:
         torch.autograd.backward(_inputs_and_fwd(2048, 32)[0](), torch.ones(TOKENS // 2048, 2048, H, D, device="cuda",

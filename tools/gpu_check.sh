@@ -19,10 +19,15 @@ run_tests() {  # NAME PATHS...: stops at 290 s with a summary (SIGINT), the log 
     "$@" 2>&1 | tee "${OUT:-/tmp}/gpu-tests-$name.log" | grep -E "^(FAILED|ERROR)|Timeout|passed|failed"
 }
 
-if [ "$mode" = pending ]; then  # every GPU test has passed on the H200: at 669598c (session 13), the fla comparison at
-  # 513bef4, the Interdomain kernel tests again at ea500e9 after session 15's change to them (41 passed; the one
-  # failure was the phased bwd_a, since removed: kernels/interdomain/README.md)
-  echo "nothing pending: every GPU test passed on the H200 (669598c; fla at 513bef4; the Interdomain kernels at ea500e9)"
+if [ "$mode" = pending ]; then  # every GPU test passed on the H200 (669598c; fla at 513bef4; the Interdomain kernels
+  # at ea500e9, session 15) but session 15's readout_split.py (the backward's first readout in 32-mode tiles, off by
+  # default; and _readout_a's INTRA switch): the Interdomain kernels' GPU tests, then the paper's shapes at 4K and 16K
+  # with the split on, against interdomain-paper.md
+  run_tests interdomain tests/kernels/test_interdomain.py tests/kernels/test_interdomain_torch.py \
+    tests/kernels/test_custom_ops.py
+  timeout -k 5 200 python3 tools/bench_interdomain.py --paper --quick --plan bwd_a_split_tile=32 --budget-s 120 2>&1 |
+    tee "${OUT:-/tmp}/paper-plan.log" | tail -8
+  cp tools/results/interdomain-paper-plan.* "${OUT:-/tmp}/"
 fi
 if [ "$mode" = recall ]; then  # #20: MQAR recall of repro-small architectures, each as a narrow MQAR model (d 128,
   # lr 1e-3, an 83-value task vocabulary: what learned recall on the CPU, session 13), 3000 steps of 64 at 256 tokens,

@@ -63,12 +63,14 @@ def _upper(oc):
 
 @triton.jit
 def _readout_a(x_ptr, z_ptr, sb, pw, br, bi, rows, ok, oc, om, mm, M, D: tl.constexpr, C: tl.constexpr,
-               BD: tl.constexpr, BM: tl.constexpr, PREC: tl.constexpr, STACK: tl.constexpr = False):
+               BD: tl.constexpr, BM: tl.constexpr, PREC: tl.constexpr, STACK: tl.constexpr = False,
+               INTRA: tl.constexpr = True):
     """a_t = sum_{s<=t in chunk} b lam^(t-s) (x_t . z_s) + lam^(j+1) (x_t . S[m]) with S the chunk-start state.
 
     Returns (a re, a im, inter re, inter im) as [C, BM] fp32 and the sheared X Z^T, D[t, n] = x_t . z_(t-n), as
     [C, C] in x's dtype. STACK: the products against S and the power table take real and imaginary parts as one
-    [., 2 BM] operand (columns interleaved: mode, then part), so that no product is BM = 32 wide."""
+    [., 2 BM] operand (columns interleaved: mode, then part), so that no product is BM = 32 wide. Not INTRA: a
+    is not formed (the lag products are skipped; a comes back as the inter part)."""
     DT = x_ptr.dtype.element_ty
     att = tl.zeros([C, C], dtype=tl.float32)
     if STACK:
@@ -101,14 +103,18 @@ def _readout_a(x_ptr, z_ptr, sb, pw, br, bi, rows, ok, oc, om, mm, M, D: tl.cons
         l2 = tl.load(pw + oc[:, None] * 2 * M + (part * M + m2)[None, :], mask=(m2 < M)[None, :], other=0.0)
         hr, hi = _split2(tl.dot(sheared, l2.to(DT), input_precision=PREC), C, BM)
         pr, pi = _split2(p2, C, BM)
-    else:
+    elif INTRA:
         lr, li = lam_pow(pw, oc[:, None], om[None, :], mm[None, :], M)
         hr = tl.dot(sheared, lr.to(DT), input_precision=PREC)
         hi = tl.dot(sheared, li.to(DT), input_precision=PREC)
     sr, si = lam_pow(pw, oc[:, None] + 1, om[None, :], mm[None, :], M)
     pr, pi = cmul(sr, si, pr, pi)
-    ar, ai = cmul(br, bi, hr, hi)
-    return ar + pr, ai + pi, pr, pi, sheared
+    if INTRA:
+        ar, ai = cmul(br, bi, hr, hi)
+        ar, ai = ar + pr, ai + pi
+    else:
+        ar, ai = pr, pi
+    return ar, ai, pr, pi, sheared
 
 
 @triton.jit
@@ -550,8 +556,14 @@ def readout_bwd_a(q, k, v, do, ub, gb, b, pw, C, *, a, da, part, p=None, araw=No
     """Writes a, da and the intra-chunk parameter partials (with a readout P also araw, dar); returns the launched
     kernel."""
     grid, dims = _grid_and_dims(q, b, C)
+    sizes = tiles(q, v, b, plan)
+    if p is not None and plan.bwd_a_split_tile:
+        from .readout_split import readout_bwd_a_split  # it imports this module's helpers
+
+        return readout_bwd_a_split(q, k, v, do, ub, gb, b, pw, C, a=a, da=da, part=part, p=p, araw=araw, dar=dar,
+                                   sizes=sizes, plan=plan)
     args = dict(q_ptr=q, k_ptr=k, v_ptr=v, do_ptr=do, ub_ptr=ub, gb_ptr=gb, b_ptr=b, pw_ptr=pw, a_ptr=a, da_ptr=da,
-                part_ptr=part, **dims, **tiles(q, v, b, plan), num_warps=plan.warps("bwd_a"))
+                part_ptr=part, **dims, **sizes, num_warps=plan.warps("bwd_a"))
     if p is None:
         return _bwd_a_kernel[grid](**args)
     return _bwd_a_mixed_kernel[grid](**args, p_ptr=p, araw_ptr=araw, dar_ptr=dar)
