@@ -45,8 +45,8 @@ def bench_one(model, cfg, batch: int, context: int) -> dict:
 
     eager = time_ms(step)
     graph = graphed(step)
-    graphed = time_ms(graph) if callable(graph) else graph
-    return {"model": cfg.pattern, "batch": batch, "context": context, "eager ms": eager, "graphed ms": graphed}
+    graph_ms = time_ms(graph) if callable(graph) else graph
+    return {"model": cfg.pattern, "batch": batch, "context": context, "eager ms": eager, "graphed ms": graph_ms}
 
 
 def main():

@@ -160,15 +160,19 @@ def _w_matrix_t(pr_, pi_, rtr, rti, oc, DT, PREC: tl.constexpr):
 
 
 @triton.jit
-def _chunk_program(b_ptr, pw_ptr, T, H, M, C: tl.constexpr, BM: tl.constexpr):
+def _chunk_program(b_ptr, pw_ptr, T, H, M, C: tl.constexpr, BM: tl.constexpr, TILED: tl.constexpr = False):
     """A readout program's chunk ic and (batch, head) row i_bh (head i_h); the chunk's token rows of [B, T, H, .]
-    and their in-range mask; the mode tile and its mask; the head's power table and b (re, im)."""
+    and their in-range mask; the mode tile and its mask; the head's power table and b (re, im). TILED: the mode
+    tile is program_id(2) (readout_split.py); otherwise the one tile from mode 0."""
     ic, i_bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
     i_b, i_h = i_bh // H, i_bh % H
     oc = tl.arange(0, C)
     ok = ic * C + oc < T
     rows = (i_b * T + ic * C + oc) * H + i_h
-    om = tl.arange(0, BM)
+    if TILED:
+        om = tl.program_id(2) * BM + tl.arange(0, BM)
+    else:
+        om = tl.arange(0, BM)
     mm = om < M
     pw = pw_ptr + i_h * (C + 1) * 2 * M
     br = tl.load(b_ptr + (i_h * M + om) * 2, mask=mm, other=0.0)
@@ -221,21 +225,23 @@ def _fwd_mixed_kernel(q_ptr, k_ptr, v_ptr, ub_ptr, gb_ptr, b_ptr, pw_ptr, p_ptr,
     ub = ub_ptr + (i_bh * NC + ic) * 2 * M * K
     ar, ai, _, _, _ = _readout_a(x_ptr=q_ptr, z_ptr=k_ptr, sb=ub, pw=pw, br=br[None, :], bi=bi[None, :], rows=rows,
                                  ok=ok, oc=oc, om=om, mm=mm, M=M, D=K, C=C, BD=BK, BM=BM, PREC=PREC, STACK=True)
-    ar, ai = _mix_modes(xr=ar, xi=ai, p_ptr=p_ptr, i_h=i_h, om=om, mm=mm, M=M, PREC=PREC, ADJOINT=False)
+    ar, ai = _mix_modes(xr=ar, xi=ai, p_ptr=p_ptr, i_h=i_h, on=om, mn=mm, om=om, mm=mm, M=M, PREC=PREC,
+                        ADJOINT=False)
     gb = gb_ptr + (i_bh * NC + ic) * 2 * M * V
     _fwd_o_stacked(v_ptr=v_ptr, o_ptr=o_ptr, gb=gb, b_ptr=b_ptr, pw=pw, ar=ar, ai=ai, rows=rows, ok=ok, oc=oc, om=om,
                    mm=mm, i_h=i_h, M=M, V=V, C=C, BM=BM, BV=BV, PREC=PREC)
 
 
 @triton.jit
-def _mix_modes(xr, xi, p_ptr, i_h, om, mm, M, PREC: tl.constexpr, ADJOINT: tl.constexpr):
-    """x P (ADJOINT: x P^H) for per-token rows x [C, BM] (re, im, fp32) and the head's P [M, M] (re, im)."""
-    mp = mm[:, None] & mm[None, :]
-    if ADJOINT:
-        pp = p_ptr + ((i_h * M + om[None, :]) * M + om[:, None]) * 2
+def _mix_modes(xr, xi, p_ptr, i_h, on, mn, om, mm, M, PREC: tl.constexpr, ADJOINT: tl.constexpr):
+    """Columns om of x P (ADJOINT: x P^H) for per-token rows x [C, len(on)] over modes on (re, im, fp32) and the
+    head's P [M, M] (re, im): y[:, m] = sum_n x[:, n] P[n, m]; mn, mm the masks of on, om."""
+    mp = mn[:, None] & mm[None, :]
+    if ADJOINT:  # P^H[n, m] = conj(P[m, n])
+        pp = p_ptr + ((i_h * M + om[None, :]) * M + on[:, None]) * 2
         pr, pi = tl.load(pp, mask=mp, other=0.0), -tl.load(pp + 1, mask=mp, other=0.0)
     else:
-        pp = p_ptr + ((i_h * M + om[:, None]) * M + om[None, :]) * 2
+        pp = p_ptr + ((i_h * M + on[:, None]) * M + om[None, :]) * 2
         pr, pi = tl.load(pp, mask=mp, other=0.0), tl.load(pp + 1, mask=mp, other=0.0)
     yr = tl.dot(xr, pr, input_precision=PREC) - tl.dot(xi, pi, input_precision=PREC)
     yi = tl.dot(xr, pi, input_precision=PREC) + tl.dot(xi, pr, input_precision=PREC)
@@ -326,8 +332,10 @@ def _bwd_a(q_ptr, k_ptr, v_ptr, do_ptr, ub_ptr, gb_ptr, b_ptr, pw_ptr, a_ptr, da
     if MIXED:
         _store_pair(araw_ptr, out, ar, ai, mo, M)
         _store_pair(dar_ptr, out, gr, gi, mo, M)
-        ar, ai = _mix_modes(xr=ar, xi=ai, p_ptr=p_ptr, i_h=i_h, om=om, mm=mm, M=M, PREC=PREC, ADJOINT=False)
-        gr, gi = _mix_modes(xr=gr, xi=gi, p_ptr=p_ptr, i_h=i_h, om=om, mm=mm, M=M, PREC=PREC, ADJOINT=True)
+        ar, ai = _mix_modes(xr=ar, xi=ai, p_ptr=p_ptr, i_h=i_h, on=om, mn=mm, om=om, mm=mm, M=M, PREC=PREC,
+                        ADJOINT=False)
+        gr, gi = _mix_modes(xr=gr, xi=gi, p_ptr=p_ptr, i_h=i_h, on=om, mn=mm, om=om, mm=mm, M=M, PREC=PREC,
+                            ADJOINT=True)
     _store_pair(a_ptr, out, ar, ai, mo, M)
     _store_pair(da_ptr, out, gr, gi, mo, M)
     # d(log lam), intra-chunk x inter-chunk: sum_t (j+1) [da conj(a_inter) + a conj(da_inter)]

@@ -9,39 +9,23 @@ their inter-chunk parts and two sheared [C, C] products at once, spills, and too
                       sheared Q K^T, dO V^T and the inter-chunk parts recomputed (one [C, C] product per side)
 Results equal _bwd_a_mixed_kernel's (the tests run both against naive.py).
 
-Names as in readout.py's legend, and: i_m the mode tile, on / mn [MP] every mode (padded to MP) and its mask.
+Names as in readout.py's legend (each program's mode tile om: program_id(2)), and on / mn [MP] every mode (padded to
+MP) and its mask.
 """
 import triton
 import triton.language as tl
 
 from megahybrid_kernels._triton import next_pow2
 
-from .readout import _lag_partials, _readout_a, _store_pair
+from .readout import _chunk_program, _lag_partials, _mix_modes, _readout_a, _store_pair
 from .utils import DEFAULT_PLAN, InterdomainPlan
-
-
-@triton.jit
-def _tile_program(b_ptr, pw_ptr, T, H, M, C: tl.constexpr, BM: tl.constexpr):
-    """readout._chunk_program with the mode tile i_m = program_id(2) (kept apart so that the launches with one
-    tile keep the code that the H200 tests checked)."""
-    ic, i_bh, i_m = tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2)
-    i_b, i_h = i_bh // H, i_bh % H
-    oc = tl.arange(0, C)
-    ok = ic * C + oc < T
-    rows = (i_b * T + ic * C + oc) * H + i_h
-    om = i_m * BM + tl.arange(0, BM)
-    mm = om < M
-    pw = pw_ptr + i_h * (C + 1) * 2 * M
-    br = tl.load(b_ptr + (i_h * M + om) * 2, mask=mm, other=0.0)
-    bi = tl.load(b_ptr + (i_h * M + om) * 2 + 1, mask=mm, other=0.0)
-    return ic, i_bh, i_h, oc, ok, rows, om, mm, pw, br, bi
 
 
 @triton.jit
 def _bwd_a_raw_kernel(q_ptr, k_ptr, v_ptr, do_ptr, ub_ptr, gb_ptr, b_ptr, pw_ptr, araw_ptr, dar_ptr, T, NC, H, M,
                       K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
                       BV: tl.constexpr, PREC: tl.constexpr):
-    ic, i_bh, i_h, oc, ok, rows, om, mm, pw, br, bi = _tile_program(b_ptr, pw_ptr, T, H, M, C, BM)
+    ic, i_bh, i_h, oc, ok, rows, om, mm, pw, br, bi = _chunk_program(b_ptr, pw_ptr, T, H, M, C, BM, TILED=True)
     out = rows[:, None] * 2 * M + om[None, :]
     mo = ok[:, None] & mm[None, :]
     ub = ub_ptr + (i_bh * NC + ic) * 2 * M * K
@@ -57,31 +41,22 @@ def _bwd_a_raw_kernel(q_ptr, k_ptr, v_ptr, do_ptr, ub_ptr, gb_ptr, b_ptr, pw_ptr
 @triton.jit
 def _mix_tile(x_ptr, p_ptr, rows, ok, om, mm, i_h, M, MP: tl.constexpr, PREC: tl.constexpr,
               ADJOINT: tl.constexpr):
-    """Columns om of x P (ADJOINT: x P^H) for the chunk's rows of x [B, T, H, 2, M] and the head's P [M, M] (re,
-    im): y[:, m] = sum_n x[:, n] P[n, m], as (re, im) [C, BM] fp32."""
+    """Columns om of x P (ADJOINT: x P^H) for the chunk's rows of x [B, T, H, 2, M], all M modes read."""
     on = tl.arange(0, MP)
     mn = on < M
     xp = x_ptr + rows[:, None] * 2 * M + on[None, :]
     mx = ok[:, None] & mn[None, :]
     xr = tl.load(xp, mask=mx, other=0.0).to(tl.float32)
     xi = tl.load(xp + M, mask=mx, other=0.0).to(tl.float32)
-    mp = mn[:, None] & mm[None, :]
-    if ADJOINT:  # P^H[n, m] = conj(P[m, n])
-        pp = p_ptr + ((i_h * M + om[None, :]) * M + on[:, None]) * 2
-        pr, pi = tl.load(pp, mask=mp, other=0.0), -tl.load(pp + 1, mask=mp, other=0.0)
-    else:
-        pp = p_ptr + ((i_h * M + on[:, None]) * M + om[None, :]) * 2
-        pr, pi = tl.load(pp, mask=mp, other=0.0), tl.load(pp + 1, mask=mp, other=0.0)
-    yr = tl.dot(xr, pr, input_precision=PREC) - tl.dot(xi, pi, input_precision=PREC)
-    yi = tl.dot(xr, pi, input_precision=PREC) + tl.dot(xi, pr, input_precision=PREC)
-    return yr, yi
+    return _mix_modes(xr=xr, xi=xi, p_ptr=p_ptr, i_h=i_h, on=on, mn=mn, om=om, mm=mm, M=M, PREC=PREC,
+                      ADJOINT=ADJOINT)
 
 
 @triton.jit
 def _bwd_a_mix_kernel(q_ptr, k_ptr, v_ptr, do_ptr, ub_ptr, gb_ptr, b_ptr, pw_ptr, a_ptr, da_ptr, part_ptr, p_ptr,
                       araw_ptr, dar_ptr, T, NC, H, M, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
                       BM: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, MP: tl.constexpr, PREC: tl.constexpr):
-    ic, i_bh, i_h, oc, ok, rows, om, mm, pw, br, bi = _tile_program(b_ptr, pw_ptr, T, H, M, C, BM)
+    ic, i_bh, i_h, oc, ok, rows, om, mm, pw, br, bi = _chunk_program(b_ptr, pw_ptr, T, H, M, C, BM, TILED=True)
     DT = q_ptr.dtype.element_ty
     out = rows[:, None] * 2 * M + om[None, :]
     mo = ok[:, None] & mm[None, :]
