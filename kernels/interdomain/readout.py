@@ -333,7 +333,7 @@ def _bwd_a(q_ptr, k_ptr, v_ptr, do_ptr, ub_ptr, gb_ptr, b_ptr, pw_ptr, a_ptr, da
         _store_pair(araw_ptr, out, ar, ai, mo, M)
         _store_pair(dar_ptr, out, gr, gi, mo, M)
         ar, ai = _mix_modes(xr=ar, xi=ai, p_ptr=p_ptr, i_h=i_h, on=om, mn=mm, om=om, mm=mm, M=M, PREC=PREC,
-                        ADJOINT=False)
+                            ADJOINT=False)
         gr, gi = _mix_modes(xr=gr, xi=gi, p_ptr=p_ptr, i_h=i_h, on=om, mn=mm, om=om, mm=mm, M=M, PREC=PREC,
                             ADJOINT=True)
     _store_pair(a_ptr, out, ar, ai, mo, M)
