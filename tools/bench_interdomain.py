@@ -268,9 +268,10 @@ def plan_from(pairs: list):
     fields = {}
     for pair in pairs:
         key, _, value = pair.partition("=")
-        if not hasattr(DEFAULT_PLAN, key) or not value:
-            raise SystemExit(f"--plan {pair}: write FIELD=VALUE with a field of InterdomainPlan")
-        fields[key] = {"true": True, "false": False}.get(value.lower(), int(value) if value.isdigit() else value)
+        known = {"true": True, "false": False}.get(value.lower(), int(value) if value.isdigit() else None)
+        if not hasattr(DEFAULT_PLAN, key) or known is None:
+            raise SystemExit(f"--plan {pair}: write FIELD=VALUE with an int or bool field of InterdomainPlan")
+        fields[key] = known
     return dataclasses.replace(DEFAULT_PLAN, **fields)
 
 

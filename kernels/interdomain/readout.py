@@ -563,13 +563,13 @@ def readout_bwd_a(q, k, v, do, ub, gb, b, pw, C, *, a, da, part, p=None, araw=No
                   plan: InterdomainPlan = DEFAULT_PLAN):
     """Writes a, da and the intra-chunk parameter partials (with a readout P also araw, dar); returns the launched
     kernel."""
-    grid, dims = _grid_and_dims(q, b, C)
     sizes = tiles(q, v, b, plan)
     if p is not None and plan.bwd_a_split_tile:
         from .readout_split import readout_bwd_a_split  # it imports this module's helpers
 
         return readout_bwd_a_split(q, k, v, do, ub, gb, b, pw, C, a=a, da=da, part=part, p=p, araw=araw, dar=dar,
                                    sizes=sizes, plan=plan)
+    grid, dims = _grid_and_dims(q, b, C)
     args = dict(q_ptr=q, k_ptr=k, v_ptr=v, do_ptr=do, ub_ptr=ub, gb_ptr=gb, b_ptr=b, pw_ptr=pw, a_ptr=a, da_ptr=da,
                 part_ptr=part, **dims, **sizes, num_warps=plan.warps("bwd_a"))
     if p is None:
