@@ -3,9 +3,11 @@ step time after 8K and 128K tokens (eager and as a CUDA graph), bf16, batch 1, o
 
 The selection of an untrained model is a coin flip per chunk; trained NAtS-L layers keep few chunks for
 attention, so the `N` layers here keep a fixed fraction (KEPT, random chunks) to time what a trained model runs.
-Usage: python tools/bench_nats_layer.py  (writes tools/results/nats-layer.{json,md}).
+Usage: python tools/bench_nats_layer.py  (writes tools/results/nats-layer.{json,md}); --profile adds each prefill's
+kernel times (torch.profiler) to the results; --prefill-only skips the decode rows.
 Training throughput of the presets: tools/bench_train.py with --config natsl-340m (and -n, -g, -s).
 """
+import argparse
 import sys
 from pathlib import Path
 
@@ -18,7 +20,7 @@ from megahybrid.model.config import preset  # noqa: E402
 from megahybrid.model.gpt import build_model  # noqa: E402
 from megahybrid.model.mixers.nats import NatsDecodeCache, NatsLayer, cache_bytes  # noqa: E402
 from megahybrid.parallel import ParallelLayout  # noqa: E402
-from tools.benchutil import format_table, graphed, peak_memory_mib, save_results, time_ms  # noqa: E402
+from tools.benchutil import format_table, graphed, kernel_ms, peak_memory_mib, save_results, time_ms  # noqa: E402
 
 KEPT = 0.1
 PREFILL = 131072
@@ -37,12 +39,16 @@ def _model(pattern: str, seq: int):
     return cfg, build_model(cfg, ParallelLayout(), "bf16").eval()
 
 
-def _prefill_row(name, pattern):
+def _prefill_row(name, pattern, profiles=None):
     cfg, model = _model(pattern, PREFILL)
     tokens = torch.randint(0, cfg.vocab_size, (1, PREFILL), device="cuda")
     run = lambda: decode.full_logits(model, tokens)  # noqa: E731
-    return {"model": name, "what": f"prefill {PREFILL // 1024}K", "ms": time_ms(run, 20, 100),
-            "peak_mib": peak_memory_mib(run)}
+    row = {"model": name, "what": f"prefill {PREFILL // 1024}K", "ms": time_ms(run, 20, 100),
+           "peak_mib": peak_memory_mib(run)}
+    if profiles is not None:
+        profiles[f"{name} prefill {PREFILL // 1024}K, kernel ms"] = kernel_ms(run)
+        print(name, profiles[f"{name} prefill {PREFILL // 1024}K, kernel ms"], flush=True)
+    return row
 
 
 def _open_chunk_counters(ctx) -> list[tuple]:
@@ -87,18 +93,24 @@ def _speedup(pair: list[dict], key: str):
     return softmax / hybrid if ok else ""
 
 
-def main():
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--profile", action="store_true", help="each prefill's kernel times into the results")
+    parser.add_argument("--prefill-only", action="store_true", help="skip the decode rows")
+    args = parser.parse_args(argv)
     init_distributed(ParallelLayout())
     NatsLayer._choose = _fixed_fraction_choose
     hybrid = preset("natsl-340m").pattern
-    rows = [_prefill_row("Hybrid", hybrid), _prefill_row("S", "S")]
+    profiles = {} if args.profile else None
+    rows = [_prefill_row("Hybrid", hybrid, profiles), _prefill_row("S", "S", profiles)]
     rows[0]["speedup"] = rows[1]["ms"] / rows[0]["ms"]
-    for context in DECODE_CONTEXTS:
+    for context in () if args.prefill_only else DECODE_CONTEXTS:
         pair = [_decode_row("Hybrid", hybrid, context), _decode_row("S", "S", context)]
         pair[0]["speedup"], pair[0]["graphed_speedup"] = _speedup(pair, "ms"), _speedup(pair, "graphed_ms")
         rows += pair
     print(format_table(rows))
-    print("saved", save_results("nats-layer", rows, {"kept_fraction": KEPT}))
+    name = "nats-layer-prefill" if args.prefill_only else "nats-layer"
+    print("saved", save_results(name, rows, {"kept_fraction": KEPT, **(profiles or {})}))
 
 
 if __name__ == "__main__":

@@ -54,6 +54,23 @@ def peak_memory_mib(fn) -> float:
     return (torch.cuda.max_memory_allocated() - base) / 2**20
 
 
+def kernel_ms(fn, iters: int = 2, top: int = 25) -> dict:
+    """Where fn()'s device time goes: milliseconds per call of its `top` kernels by CUDA time (torch.profiler,
+    summed over each kernel's launches, averaged over `iters` calls), largest first, with the total of all."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    times = {event.key[:70]: event.device_time_total / iters / 1e3 for event in prof.key_averages()
+             if event.device_time_total > 0 and not event.key.startswith(("aten::", "autograd::", "["))}
+    ranked = dict(sorted(times.items(), key=lambda kv: -kv[1]))
+    return {"all kernels": round(sum(ranked.values()), 3), **{k: round(v, 3) for k, v in list(ranked.items())[:top]}}
+
+
 def matmul_peak_tflops(n: int = 8192) -> float:
     """Measured bf16 matmul rate on random data, the ceiling that MFU is quoted against."""
     a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
