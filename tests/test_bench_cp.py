@@ -26,7 +26,7 @@ def _bench(rank, world, results):
 
     bench_cp.nats.gather_sequence = counting
     code = bench_cp.main(["--models", "tiny@I", "tiny@GN", "--context", "256", "--cps", "2", "4", "--warmup", "0",
-                          "--reps", "1", "--results-dir", results])
+                          "--reps", "1", "--profile", "--results-dir", results])
     return code, dist.all_gather is before, bench_cp.nats.layer_cp_group.__name__, sorted({c[1] for c in calls})
 
 
@@ -34,7 +34,11 @@ def test_bench_cp_stand_in_runs_the_cp_code_on_cpu(tmp_path):
     code, restored, cp_group_fn, sizes = run_on_ranks(_bench, 1, str(tmp_path), env={"TRITON_INTERPRET": "0"})[0]
     assert code == 0 and restored and cp_group_fn == "layer_cp_group"
     assert sizes == [2, 4], sizes  # N's attention gathered over stand-in groups of 2 and 4 ranks
-    rows = json.loads((tmp_path / "bench_cp.json").read_text())["rows"]
+    result = json.loads((tmp_path / "bench_cp.json").read_text())
+    rows = result["rows"]
+    for key in ("tiny@I cp=2 rank, kernel ms", "tiny@I shard 128 without CP, kernel ms"):  # --profile: cp=2 only
+        assert result["meta"][key]["all kernels"] > 0, result["meta"].keys()
+    assert "tiny@I cp=4 rank, kernel ms" not in result["meta"]
     assert [(r["model"], r["cp"]) for r in rows] == [("tiny@I", 2), ("tiny@I", 4), ("tiny@GN", 2), ("tiny@GN", 4)]
     assert all(r["loss"] == "finite" and r["MiB_sent"] > 0 and r["rank_ms"] > 0 for r in rows), rows
 

@@ -34,7 +34,7 @@ from megahybrid.model.config import preset  # noqa: E402
 from megahybrid.model.gpt import build_model  # noqa: E402
 from megahybrid.model.mixers import cp_bytes_per_layer, interdomain, nats  # noqa: E402
 from megahybrid.parallel import ParallelLayout  # noqa: E402
-from tools.benchutil import format_table, save_results  # noqa: E402
+from tools.benchutil import format_table, kernel_ms, save_results  # noqa: E402
 
 DEFAULT_MODELS = ["350m-interdomain", "natsl-340m"]
 
@@ -115,7 +115,7 @@ def time_ms(fn, warmup: int, reps: int) -> float:
     return statistics.median(times)
 
 
-def rows_for(name: str, args, precision: str) -> list[dict]:
+def rows_for(name: str, args, precision: str, profiles: dict | None = None) -> list[dict]:
     rows = []
     for cp in args.cps:
         S = args.context // cp
@@ -126,6 +126,10 @@ def rows_for(name: str, args, precision: str) -> list[dict]:
         with stand_in_cp(StandInGroup(cp - 1, cp)):
             rank = time_ms(lambda: fwd_bwd(model, tokens), args.warmup, args.reps)
             finite = bool(torch.isfinite(fwd_bwd(model, tokens)))
+            if profiles is not None and cp == args.cps[0]:
+                profiles[f"{name} cp={cp} rank, kernel ms"] = kernel_ms(lambda: fwd_bwd(model, tokens))
+        if profiles is not None and cp == args.cps[0]:
+            profiles[f"{name} shard {S} without CP, kernel ms"] = kernel_ms(lambda: fwd_bwd(model, tokens))
         per_layer = cp_bytes_per_layer(cfg, cp, 2)
         sent = sum(per_layer[c] for c in cfg.layer_pattern)
         link_ms = sent / (args.link_gbs * 1e9) * 1e3
@@ -148,13 +152,16 @@ def main(argv=None) -> int:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--results-dir", default=None, help="default tools/results")
+    parser.add_argument("--profile", action="store_true",
+                        help="kernel times of the first cp's rank and of its shard without CP, into the results")
     args = parser.parse_args(argv)
     gpu = torch.cuda.is_available()
     init_distributed(ParallelLayout())
-    rows = [row for name in args.models for row in rows_for(name, args, "bf16" if gpu else "fp32")]
+    profiles = {} if args.profile else None
+    rows = [row for name in args.models for row in rows_for(name, args, "bf16" if gpu else "fp32", profiles)]
     print(format_table(rows))
-    print("saved", save_results("bench_cp", rows, {"context": args.context, "link_gbs_assumed": args.link_gbs,
-                                                   "rank_timed": "cp - 1 (the last)"}, args.results_dir))
+    meta = {"context": args.context, "link_gbs_assumed": args.link_gbs, "rank_timed": "cp - 1 (the last)"}
+    print("saved", save_results("bench_cp", rows, {**meta, **(profiles or {})}, args.results_dir))
     return 0 if all(r["loss"] == "finite" for r in rows) else 1
 
 

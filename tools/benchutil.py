@@ -56,17 +56,23 @@ def peak_memory_mib(fn) -> float:
 
 def kernel_ms(fn, iters: int = 2, top: int = 25) -> dict:
     """Where fn()'s device time goes: milliseconds per call of its `top` kernels by CUDA time (torch.profiler,
-    summed over each kernel's launches, averaged over `iters` calls), largest first, with the total of all."""
+    summed over each kernel's launches, averaged over `iters` calls), largest first, with the total of all.
+    Without a GPU (the tools' CPU smoke runs): the ops' own CPU time instead."""
     from torch.profiler import ProfilerActivity, profile
 
+    cuda = torch.cuda.is_available()
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
     fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    sync()
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
         for _ in range(iters):
             fn()
-        torch.cuda.synchronize()
-    times = {event.key[:70]: event.device_time_total / iters / 1e3 for event in prof.key_averages()
-             if event.device_time_total > 0 and not event.key.startswith(("aten::", "autograd::", "["))}
+        sync()
+    times = {}
+    for event in prof.key_averages():
+        us = event.device_time_total if cuda else event.self_cpu_time_total
+        if us > 0 and (not cuda or not event.key.startswith(("aten::", "autograd::", "["))):
+            times[event.key[:70]] = us / iters / 1e3
     ranked = dict(sorted(times.items(), key=lambda kv: -kv[1]))
     return {"all kernels": round(sum(ranked.values()), 3), **{k: round(v, 3) for k, v in list(ranked.items())[:top]}}
 

@@ -234,8 +234,9 @@ def _fwd_mixed_kernel(q_ptr, k_ptr, v_ptr, ub_ptr, gb_ptr, b_ptr, pw_ptr, p_ptr,
 
 @triton.jit
 def _mix_modes(xr, xi, p_ptr, i_h, on, mn, om, mm, M, PREC: tl.constexpr, ADJOINT: tl.constexpr):
-    """Columns om of x P (ADJOINT: x P^H) for per-token rows x [C, len(on)] over modes on (re, im, fp32) and the
-    head's P [M, M] (re, im): y[:, m] = sum_n x[:, n] P[n, m]; mn, mm the masks of on, om."""
+    """Columns om of x P (ADJOINT: x P^H) for per-token rows x [C, len(on)] over modes on (re, im; fp32, or 16-bit,
+    when P is rounded to it) and the head's P [M, M] (re, im): y[:, m] = sum_n x[:, n] P[n, m] (fp32); mn, mm the
+    masks of on, om."""
     mp = mn[:, None] & mm[None, :]
     if ADJOINT:  # P^H[n, m] = conj(P[m, n])
         pp = p_ptr + ((i_h * M + om[None, :]) * M + on[:, None]) * 2
@@ -243,6 +244,7 @@ def _mix_modes(xr, xi, p_ptr, i_h, on, mn, om, mm, M, PREC: tl.constexpr, ADJOIN
     else:
         pp = p_ptr + ((i_h * M + on[:, None]) * M + om[None, :]) * 2
         pr, pi = tl.load(pp, mask=mp, other=0.0), tl.load(pp + 1, mask=mp, other=0.0)
+    pr, pi = pr.to(xr.dtype), pi.to(xr.dtype)  # 16-bit x (readout_split.py's loaded tiles): a 16-bit product
     yr = tl.dot(xr, pr, input_precision=PREC) - tl.dot(xi, pi, input_precision=PREC)
     yi = tl.dot(xr, pi, input_precision=PREC) + tl.dot(xi, pr, input_precision=PREC)
     return yr, yi
