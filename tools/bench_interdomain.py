@@ -5,7 +5,7 @@ Also prints the op's dot FLOPs and HBM bytes per token-head (model of the kernel
 give at the measured matmul and copy peaks, and the decode step's time per token. Settings other than the
 defaults run as `InterdomainPlan`s passed to the op (nothing here changes module state). Usage:
 python tools/bench_interdomain.py [--quick] [--only-ours] [--paper]; `--paper` runs the paper's shapes (12 and 32 heads
-x 64, M = 64, a full complex readout) against SDPA at the same heads, `--paper --plan bwd_a_split_tile=32` the same
+x 64, M = 64, a full complex readout) against SDPA at the same heads, `--paper --plan warps_bwd_a=8` the same
 under a changed plan (interdomain-paper-plan.*); `--compile-report` needs no GPU: it compiles every
 scan.py and readout.py kernel for sm_90 and prints registers, local memory, shared memory and wgmma / mma counts.
 """

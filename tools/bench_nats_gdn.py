@@ -2,11 +2,7 @@
 
 B*T = 65,536 tokens, H = 8, K = 128, V = 256; kept fraction 0/10/25/50/100 %; T in 4K/16K/64K; forward and
 forward+backward. Usage: python tools/bench_nats_gdn.py  (writes tools/results/nats-gdn.{json,md}).
-`--segments`: the op against kernels/nats/gdn/segmented.py at the natsl-340m head shape (6 x 128, V = 256) for a
-long prefill and for training micro-batches, with the relative RMS difference of their outputs
-(tools/results/nats-gdn-segments.{json,md}).
 """
-import argparse
 import sys
 from pathlib import Path
 
@@ -15,7 +11,6 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from megahybrid_kernels.nats import chunk_selected_gdn  # noqa: E402
-from megahybrid_kernels.nats.gdn.segmented import chunk_selected_gdn_segmented, gdn_segments  # noqa: E402
 from tools.benchutil import format_table, peak_memory_mib, save_results, time_ms  # noqa: E402
 
 TOKENS, H, K, V = 65536, 8, 128, 256
@@ -23,8 +18,8 @@ LENGTHS = (4096, 16384, 65536)
 FRACTIONS = (0.0, 0.1, 0.25, 0.5, 1.0)
 
 
-def make_inputs(T: int, frac: float, B: int | None = None, H: int = H):
-    B, NT = B or TOKENS // T, T // 64
+def make_inputs(T: int, frac: float):
+    B, NT = TOKENS // T, T // 64
     dev, bf = "cuda", torch.bfloat16
     q = F.normalize(torch.randn(B, T, H, K, device=dev), dim=-1).to(bf)
     k = F.normalize(torch.randn(B, T, H, K, device=dev), dim=-1).to(bf)
@@ -98,38 +93,7 @@ def kernel_breakdown(T: int = 4096, frac: float = 0.25, reps: int = 5) -> None:
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=40))
 
 
-SEGMENT_CASES = ((1, 131072, False), (1, 65536, True), (4, 16384, True), (16, 4096, True))  # (B, T, backward)
-
-
-def segments_rows() -> list[dict]:
-    """The plain op against the segmented one (gdn_segments' count) at 6 heads, 90 % of chunks kept."""
-    rows = []
-    for B, T, backward in SEGMENT_CASES:
-        inputs = make_inputs(T, 0.9, B=B, H=6)
-        n = gdn_segments(B, 6, T, inputs[0].device)
-        segmented = lambda *x: chunk_selected_gdn_segmented(*x, segments=n)  # noqa: E731
-        row = {"B": B, "T": T, "segments": n}
-        for name, op in (("plain", chunk_selected_gdn), ("segmented", segmented)):
-            with torch.no_grad():
-                row[f"{name}_fwd_ms"] = time_ms(lambda: op(*inputs))
-            if backward:
-                row[f"{name}_fwd_bwd_ms"] = time_ms(fwd_bwd_fn(op, inputs))
-        with torch.no_grad():
-            a, b = chunk_selected_gdn(*inputs)[0].float(), segmented(*inputs)[0].float()
-        row["rel_rms_diff"] = ((a - b).norm() / a.norm()).item()
-        rows.append(row)
-        print(row, flush=True)
-    return rows
-
-
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--segments", action="store_true", help="only the plain vs segmented rows")
-    if parser.parse_args().segments:
-        rows = segments_rows()
-        print(format_table(rows))
-        print("saved", save_results("nats-gdn-segments", rows, {"heads": "6 x 128, V = 256, bf16, 90 % kept"}))
-        return
     rows, fla = [], fla_op()
     extra = {"shape": f"B*T={TOKENS}, H={H}, K={K}, V={V}, bf16, chunk 64", "op": "megahybrid_kernels.nats.chunk_selected_gdn"}
     for T in LENGTHS:

@@ -41,7 +41,17 @@ def graphed(step):
             step()
         return graph.replay
     except Exception as err:
-        return f"{type(err).__name__}: {str(err).splitlines()[0][:60]}"
+        return f"{type(err).__name__}: {str(err).splitlines()[0][:60]} ({_project_frame(err)})"
+
+
+def _project_frame(err: Exception) -> str:
+    """file:line of the innermost frame of this repository's code in err's traceback (what a failed capture ran)."""
+    import traceback
+
+    root = Path(__file__).resolve().parents[1]
+    ours = [(Path(f.filename).resolve(), f.lineno) for f in traceback.extract_tb(err.__traceback__)]
+    ours = [(path, line) for path, line in ours if path.is_relative_to(root)]
+    return f"{ours[-1][0].relative_to(root)}:{ours[-1][1]}" if ours else "no frame of ours"
 
 
 def peak_memory_mib(fn) -> float:

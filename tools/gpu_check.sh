@@ -20,14 +20,11 @@ run_tests() {  # NAME PATHS...: stops at 290 s with a summary (SIGINT), the log 
 }
 
 if [ "$mode" = pending ]; then  # every GPU test passed on the H200 (669598c; fla at 513bef4; the Interdomain kernels
-  # at ea500e9, session 15) but session 15's readout_split.py (the backward's first readout in 32-mode tiles, off by
-  # default; and _readout_a's INTRA switch): the Interdomain kernels' GPU tests, then the paper's shapes at 4K and 16K
-  # with the split on, against interdomain-paper.md
-  run_tests interdomain tests/kernels/test_interdomain.py tests/kernels/test_interdomain_torch.py \
-    tests/kernels/test_custom_ops.py
-  timeout -k 5 200 python3 tools/bench_interdomain.py --paper --quick --plan bwd_a_split_tile=32 --budget-s 120 2>&1 |
-    tee "${OUT:-/tmp}/paper-plan.log" | tail -8
-  cp tools/results/interdomain-paper-plan.* "${OUT:-/tmp}/"
+  # at ea500e9) but session 16's changes: the CP shard summary's TF32 product (test_s4d), the NAtS layer's per-head
+  # keep as an expand (the N / INSG training steps, eager and compiled), then the 128K prefill eager and graphed
+  run_tests pending tests/kernels/test_s4d.py tests/test_nats_cp.py "tests/test_train_gpu.py::test_training_steps_on_gpu[N]" \
+    "tests/test_train_gpu.py::test_training_steps_on_gpu[INSG]"
+  timeout -k 5 200 python3 tools/bench_nats_layer.py --profile --prefill-only 2>&1 | grep -v -i warn | tail -4
 fi
 if [ "$mode" = recall ]; then  # #20: MQAR recall of repro-small architectures, each as a narrow MQAR model (d 128,
   # lr 1e-3, an 83-value task vocabulary: what learned recall on the CPU, session 13), 3000 steps of 64 at 256 tokens,

@@ -63,14 +63,12 @@ def _upper(oc):
 
 @triton.jit
 def _readout_a(x_ptr, z_ptr, sb, pw, br, bi, rows, ok, oc, om, mm, M, D: tl.constexpr, C: tl.constexpr,
-               BD: tl.constexpr, BM: tl.constexpr, PREC: tl.constexpr, STACK: tl.constexpr = False,
-               INTRA: tl.constexpr = True):
+               BD: tl.constexpr, BM: tl.constexpr, PREC: tl.constexpr, STACK: tl.constexpr = False):
     """a_t = sum_{s<=t in chunk} b lam^(t-s) (x_t . z_s) + lam^(j+1) (x_t . S[m]) with S the chunk-start state.
 
     Returns (a re, a im, inter re, inter im) as [C, BM] fp32 and the sheared X Z^T, D[t, n] = x_t . z_(t-n), as
     [C, C] in x's dtype. STACK: the products against S and the power table take real and imaginary parts as one
-    [., 2 BM] operand (columns interleaved: mode, then part), so that no product is BM = 32 wide. Not INTRA: a
-    is not formed (the lag products are skipped; a comes back as the inter part)."""
+    [., 2 BM] operand (columns interleaved: mode, then part), so that no product is BM = 32 wide."""
     DT = x_ptr.dtype.element_ty
     att = tl.zeros([C, C], dtype=tl.float32)
     if STACK:
@@ -103,18 +101,14 @@ def _readout_a(x_ptr, z_ptr, sb, pw, br, bi, rows, ok, oc, om, mm, M, D: tl.cons
         l2 = tl.load(pw + oc[:, None] * 2 * M + (part * M + m2)[None, :], mask=(m2 < M)[None, :], other=0.0)
         hr, hi = _split2(tl.dot(sheared, l2.to(DT), input_precision=PREC), C, BM)
         pr, pi = _split2(p2, C, BM)
-    elif INTRA:
+    else:
         lr, li = lam_pow(pw, oc[:, None], om[None, :], mm[None, :], M)
         hr = tl.dot(sheared, lr.to(DT), input_precision=PREC)
         hi = tl.dot(sheared, li.to(DT), input_precision=PREC)
     sr, si = lam_pow(pw, oc[:, None] + 1, om[None, :], mm[None, :], M)
     pr, pi = cmul(sr, si, pr, pi)
-    if INTRA:
-        ar, ai = cmul(br, bi, hr, hi)
-        ar, ai = ar + pr, ai + pi
-    else:
-        ar, ai = pr, pi
-    return ar, ai, pr, pi, sheared
+    ar, ai = cmul(br, bi, hr, hi)
+    return ar + pr, ai + pi, pr, pi, sheared
 
 
 @triton.jit
@@ -160,19 +154,15 @@ def _w_matrix_t(pr_, pi_, rtr, rti, oc, DT, PREC: tl.constexpr):
 
 
 @triton.jit
-def _chunk_program(b_ptr, pw_ptr, T, H, M, C: tl.constexpr, BM: tl.constexpr, TILED: tl.constexpr = False):
+def _chunk_program(b_ptr, pw_ptr, T, H, M, C: tl.constexpr, BM: tl.constexpr):
     """A readout program's chunk ic and (batch, head) row i_bh (head i_h); the chunk's token rows of [B, T, H, .]
-    and their in-range mask; the mode tile and its mask; the head's power table and b (re, im). TILED: the mode
-    tile is program_id(2) (readout_split.py); otherwise the one tile from mode 0."""
+    and their in-range mask; the mode tile and its mask; the head's power table and b (re, im)."""
     ic, i_bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
     i_b, i_h = i_bh // H, i_bh % H
     oc = tl.arange(0, C)
     ok = ic * C + oc < T
     rows = (i_b * T + ic * C + oc) * H + i_h
-    if TILED:
-        om = tl.program_id(2) * BM + tl.arange(0, BM)
-    else:
-        om = tl.arange(0, BM)
+    om = tl.arange(0, BM)
     mm = om < M
     pw = pw_ptr + i_h * (C + 1) * 2 * M
     br = tl.load(b_ptr + (i_h * M + om) * 2, mask=mm, other=0.0)
@@ -225,26 +215,22 @@ def _fwd_mixed_kernel(q_ptr, k_ptr, v_ptr, ub_ptr, gb_ptr, b_ptr, pw_ptr, p_ptr,
     ub = ub_ptr + (i_bh * NC + ic) * 2 * M * K
     ar, ai, _, _, _ = _readout_a(x_ptr=q_ptr, z_ptr=k_ptr, sb=ub, pw=pw, br=br[None, :], bi=bi[None, :], rows=rows,
                                  ok=ok, oc=oc, om=om, mm=mm, M=M, D=K, C=C, BD=BK, BM=BM, PREC=PREC, STACK=True)
-    ar, ai = _mix_modes(xr=ar, xi=ai, p_ptr=p_ptr, i_h=i_h, on=om, mn=mm, om=om, mm=mm, M=M, PREC=PREC,
-                        ADJOINT=False)
+    ar, ai = _mix_modes(xr=ar, xi=ai, p_ptr=p_ptr, i_h=i_h, om=om, mm=mm, M=M, PREC=PREC, ADJOINT=False)
     gb = gb_ptr + (i_bh * NC + ic) * 2 * M * V
     _fwd_o_stacked(v_ptr=v_ptr, o_ptr=o_ptr, gb=gb, b_ptr=b_ptr, pw=pw, ar=ar, ai=ai, rows=rows, ok=ok, oc=oc, om=om,
                    mm=mm, i_h=i_h, M=M, V=V, C=C, BM=BM, BV=BV, PREC=PREC)
 
 
 @triton.jit
-def _mix_modes(xr, xi, p_ptr, i_h, on, mn, om, mm, M, PREC: tl.constexpr, ADJOINT: tl.constexpr):
-    """Columns om of x P (ADJOINT: x P^H) for per-token rows x [C, len(on)] over modes on (re, im; fp32, or 16-bit,
-    when P is rounded to it) and the head's P [M, M] (re, im): y[:, m] = sum_n x[:, n] P[n, m] (fp32); mn, mm the
-    masks of on, om."""
-    mp = mn[:, None] & mm[None, :]
-    if ADJOINT:  # P^H[n, m] = conj(P[m, n])
-        pp = p_ptr + ((i_h * M + om[None, :]) * M + on[:, None]) * 2
+def _mix_modes(xr, xi, p_ptr, i_h, om, mm, M, PREC: tl.constexpr, ADJOINT: tl.constexpr):
+    """x P (ADJOINT: x P^H) for per-token rows x [C, BM] (re, im, fp32) and the head's P [M, M] (re, im)."""
+    mp = mm[:, None] & mm[None, :]
+    if ADJOINT:
+        pp = p_ptr + ((i_h * M + om[None, :]) * M + om[:, None]) * 2
         pr, pi = tl.load(pp, mask=mp, other=0.0), -tl.load(pp + 1, mask=mp, other=0.0)
     else:
-        pp = p_ptr + ((i_h * M + on[:, None]) * M + om[None, :]) * 2
+        pp = p_ptr + ((i_h * M + om[:, None]) * M + om[None, :]) * 2
         pr, pi = tl.load(pp, mask=mp, other=0.0), tl.load(pp + 1, mask=mp, other=0.0)
-    pr, pi = pr.to(xr.dtype), pi.to(xr.dtype)  # 16-bit x (readout_split.py's loaded tiles): a 16-bit product
     yr = tl.dot(xr, pr, input_precision=PREC) - tl.dot(xi, pi, input_precision=PREC)
     yi = tl.dot(xr, pi, input_precision=PREC) + tl.dot(xi, pr, input_precision=PREC)
     return yr, yi
@@ -334,10 +320,8 @@ def _bwd_a(q_ptr, k_ptr, v_ptr, do_ptr, ub_ptr, gb_ptr, b_ptr, pw_ptr, a_ptr, da
     if MIXED:
         _store_pair(araw_ptr, out, ar, ai, mo, M)
         _store_pair(dar_ptr, out, gr, gi, mo, M)
-        ar, ai = _mix_modes(xr=ar, xi=ai, p_ptr=p_ptr, i_h=i_h, on=om, mn=mm, om=om, mm=mm, M=M, PREC=PREC,
-                            ADJOINT=False)
-        gr, gi = _mix_modes(xr=gr, xi=gi, p_ptr=p_ptr, i_h=i_h, on=om, mn=mm, om=om, mm=mm, M=M, PREC=PREC,
-                            ADJOINT=True)
+        ar, ai = _mix_modes(xr=ar, xi=ai, p_ptr=p_ptr, i_h=i_h, om=om, mm=mm, M=M, PREC=PREC, ADJOINT=False)
+        gr, gi = _mix_modes(xr=gr, xi=gi, p_ptr=p_ptr, i_h=i_h, om=om, mm=mm, M=M, PREC=PREC, ADJOINT=True)
     _store_pair(a_ptr, out, ar, ai, mo, M)
     _store_pair(da_ptr, out, gr, gi, mo, M)
     # d(log lam), intra-chunk x inter-chunk: sum_t (j+1) [da conj(a_inter) + a conj(da_inter)]
@@ -565,15 +549,9 @@ def readout_bwd_a(q, k, v, do, ub, gb, b, pw, C, *, a, da, part, p=None, araw=No
                   plan: InterdomainPlan = DEFAULT_PLAN):
     """Writes a, da and the intra-chunk parameter partials (with a readout P also araw, dar); returns the launched
     kernel."""
-    sizes = tiles(q, v, b, plan)
-    if p is not None and plan.bwd_a_split_tile:
-        from .readout_split import readout_bwd_a_split  # it imports this module's helpers
-
-        return readout_bwd_a_split(q, k, v, do, ub, gb, b, pw, C, a=a, da=da, part=part, p=p, araw=araw, dar=dar,
-                                   sizes=sizes, plan=plan)
     grid, dims = _grid_and_dims(q, b, C)
     args = dict(q_ptr=q, k_ptr=k, v_ptr=v, do_ptr=do, ub_ptr=ub, gb_ptr=gb, b_ptr=b, pw_ptr=pw, a_ptr=a, da_ptr=da,
-                part_ptr=part, **dims, **sizes, num_warps=plan.warps("bwd_a"))
+                part_ptr=part, **dims, **tiles(q, v, b, plan), num_warps=plan.warps("bwd_a"))
     if p is None:
         return _bwd_a_kernel[grid](**args)
     return _bwd_a_mixed_kernel[grid](**args, p_ptr=p, araw_ptr=araw, dar_ptr=dar)

@@ -57,10 +57,6 @@ class InterdomainPlan:
 
     fused_readout: the fused recurrent kernel applies the readout (a P per token, P [M, M] complex in registers);
     off, a readout decodes on the chunk op's torch path instead.
-
-    bwd_a_split_tile: with a readout P, the backward's first readout runs as two launches over tiles of this many
-    modes (readout_split.py) instead of _bwd_a_mixed_kernel's one tile of all M modes; 0: the one kernel. Off until
-    measured on the H200 (the one kernel: 2.60 of 7.19 ms fwd+bwd at 12 x 64, 4K, M = 64).
     """
 
     warps_scan: int = 4
@@ -79,7 +75,6 @@ class InterdomainPlan:
     scan_tile: tuple = (32, 64)
     readout_on_gpu: bool = True
     fused_readout: bool = True
-    bwd_a_split_tile: int = 0
 
     def __post_init__(self):
         # The custom ops take a plan as an int, its index in PLANS, read here as a plain attribute so that it also

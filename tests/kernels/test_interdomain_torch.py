@@ -100,14 +100,11 @@ def test_torch_path_strong_decay(nan_empty, torch_path):
     (300, 16, 16, 24, 64, False),
     (70, 64, 16, 8, 64, True),
 ])
-@pytest.mark.parametrize("split", [0, 16])
-def test_readout_kernels_match_naive(nan_empty, T, M, K, V, C, normalize, split):
-    """The chunk kernels with the readout (interpreter, fp32: _fwd_mixed_kernel, then _bwd_a_mixed_kernel or the
-    two mode-tiled launches of readout_split.py in 16-mode tiles, dP summed on the host): output, final state and
-    every gradient incl. dC."""
+def test_readout_kernels_match_naive(nan_empty, T, M, K, V, C, normalize):
+    """The chunk kernels with the readout (interpreter, fp32: _fwd_mixed_kernel, _bwd_a_mixed_kernel, dP summed on
+    the host): output, final state and every gradient incl. dC."""
     inputs = make_inputs(1, T, 2, K, V, M, normalize=normalize, device="cpu")
-    compare_readout(inputs, make_readout(2, M, normalize), FP32_TOL, normalize=normalize, chunk_size=C,
-                    plan=interdomain.InterdomainPlan(bwd_a_split_tile=split))
+    compare_readout(inputs, make_readout(2, M, normalize), FP32_TOL, normalize=normalize, chunk_size=C)
 
 
 def test_dispatch(monkeypatch):
@@ -231,12 +228,11 @@ def interdomain_torch_fp32(torch_chunk, q, k, v, decay, b, initial_state, output
         torch.backends.cuda.matmul.allow_tf32 = prev
 
 
-@pytest.fixture(params=["torch", "kernels", "split"])
+@pytest.fixture(params=["torch", "kernels"])
 def gpu_readout(request):
     """A plan sending a readout on the GPU through the torch path or the chunk kernels (plan.readout_on_gpu, on
-    by default), the latter also with the backward's first readout in 32-mode tiles (plan.bwd_a_split_tile)."""
-    return interdomain.InterdomainPlan(readout_on_gpu=request.param != "torch",
-                                       bwd_a_split_tile=32 if request.param == "split" else 0)
+    by default)."""
+    return interdomain.InterdomainPlan(readout_on_gpu=request.param == "kernels")
 
 
 @pytest.mark.gpu

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from megahybrid_kernels.interdomain.s4d import s4d_contraction, s4d_contraction_naive, s4d_contraction_step
-from tests.utils import assert_close, test_device
+from tests.utils import assert_close, requires_gpu, test_device
 
 TOL = 1e-5  # fp32 relative RMS error: the FFT's rounding is ~1e-7 relative to each channel's norm
 
@@ -67,3 +67,51 @@ def test_bad_shapes_name_the_fix():
     x, decay, b, c, _ = _inputs()
     with pytest.raises(ValueError, match="c must be"):
         s4d_contraction(x, decay, b, c[:, :, :2])
+
+
+def _summary_case(device, dtype, T=300, B=2, H=3, M=8, D=16, seed=4):
+    """zero_start_state on 16-bit x and its gradients (x, decay, b), and the same with x in float64 (plain fp32
+    products: the reference)."""
+    from megahybrid_kernels.interdomain.s4d import zero_start_state
+
+    x, decay, b, _, _ = _inputs(B=B, T=T, H=H, M=M, D=D, seed=seed, state=False)
+    x = x.to(device, dtype)
+    outs = []
+    for xi in (x, x.double()):
+        leaves = [t.detach().clone().to(device).requires_grad_() for t in (xi, decay, b)]
+        s = torch.view_as_real(zero_start_state(*leaves)).double()
+        grads = torch.autograd.grad((s * s.detach().cos()).sum(), leaves)
+        outs.append((s, grads))
+    (s, grads), (ref, ref_grads) = outs
+    return s, grads, ref, ref_grads
+
+
+def test_tf32_summary_product_gradients_on_cpu():
+    """The TF32 product's hand-written backward (the GPU's path for 16-bit x; on the CPU the switch is a no-op) equals
+    autograd's through the plain product."""
+    from megahybrid_kernels.interdomain.s4d import _Tf32Sum
+
+    g = torch.Generator().manual_seed(0)
+    w, x = torch.randn(50, 3, 8, generator=g), torch.randn(2, 50, 3, 5, generator=g).bfloat16()
+    dy = torch.randn(2, 3, 8, 5, generator=g)
+    outs = []
+    for fn in (_Tf32Sum.apply, lambda w_, x_: torch.einsum("thk,bthd->bhkd", w_, x_.float())):
+        leaves = [t.detach().clone().requires_grad_() for t in (w, x)]
+        y = fn(*leaves)
+        outs.append((y, torch.autograd.grad((y * dy).sum(), leaves)))
+    (y, grads), (ry, rgrads) = outs
+    assert_close(y, ry, 1e-6, "summary")
+    for name, a, r in zip(("dw", "dx"), grads, rgrads):
+        assert a.dtype == r.dtype
+        assert_close(a, r, 1e-6, name)
+
+
+@pytest.mark.gpu
+@requires_gpu
+def test_shard_summary_bf16_on_tf32_gpu():
+    """The CP shard summary of bf16 inputs on the TF32 tensor cores against float64 (fp32 weights round to TF32:
+    1e-3 relative), gradients for x, decay and b included."""
+    s, grads, ref, ref_grads = _summary_case("cuda", torch.bfloat16, T=4096)
+    assert_close(s, ref, 2e-3, "summary")
+    for name, a, r in zip(("dx", "ddecay", "db"), grads, ref_grads):
+        assert_close(a, r, 1e-2 if name == "dx" else 3e-3, name)

@@ -38,11 +38,6 @@ whatever its slot, padding by none, and the own shard is the op's as at cp = 1 (
 returns no log-sum-exp, so merging a separate prefix pass is not open). Bytes scale with the kept share of the
 most-keeping head (cp_bytes at model.nats.kept_fraction, 1.0 the bound); the zero queries add r * C * 64 rows;
 the count costs one host sync per layer. Gradients reach earlier ranks through every all-gather.
-
-Forwards without autograd (prefill, evaluation) on a GPU cut a long sequence with few rows into segments that
-the GDN op runs side by side, with the same state map as (2) (`kernels/nats/gdn/segmented.py`, `_local_gdn`):
-exact, 1.5x the GDN work at V = 2K, and every SM busy where B x H rows left most idle. Training keeps one run
-per sequence until the segmented backward is measured.
 """
 import math
 from dataclasses import dataclass
@@ -61,12 +56,6 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 
 from megahybrid_kernels.nats import chunk_selected_attention, chunk_selected_gdn, chunk_selected_gdn_step
 from megahybrid_kernels.nats.attention import SelectedAttentionCache, selected_attention_prefill, selected_attention_step
-from megahybrid_kernels.nats.gdn.segmented import (
-    add_start_state,
-    chunk_selected_gdn_segmented,
-    gdn_segments,
-    run_with_state_map,
-)
 from megahybrid.errors import ConfigError
 from megahybrid.model.cp import gather_sequence, layer_cp_group, prefix_states_matrix, previous_shard_tail
 from megahybrid.model.mixers import Mixer
@@ -268,11 +257,18 @@ class NatsLayer(MegatronModule):
         self.last_stats["kept"] = keep_attn.mean((0, 2))
         return choice[..., 0], choice[..., 1]
 
+    def _per_attention_head(self, keep: torch.Tensor) -> torch.Tensor:
+        """A GDN head's choices [B, H, ...] for each attention head viewing its channels: [B, H * per_head, ...].
+        An expand, not repeat_interleave, whose integer form copies a host tensor to the GPU (no CUDA graph can
+        capture that: the 128K prefill's capture failed on it)."""
+        B, H = keep.shape[:2]
+        return keep.unsqueeze(2).expand(B, H, self.per_head, *keep.shape[2:]).flatten(1, 2)
+
     def _mix(self, parts):
         """The training / full-sequence forward: [B, T, H * V] before the output projection."""
         group = layer_cp_group(self.config)
         q, k, v, gate, g, beta, score, _ = self._inputs(parts, cp_group=group)
-        gdn = _local_gdn(q) if group is None else _shard_gdn(group)
+        gdn = chunk_selected_gdn if group is None else _shard_gdn(group)
         # g = -exp(A_log) softplus(.) <= 0 and keep (an exact one-hot, _select) in {0, 1} by construction: the ops'
         # value checks, a host sync each on a GPU with tensors new every step, are skipped (check_values=False)
         if not self.select:
@@ -283,7 +279,7 @@ class NatsLayer(MegatronModule):
         o_gdn, _ = gdn(q, k, v, g, beta, keep_gdn, use_qk_l2norm=True, check_values=False)
         qa, ka, va = self._attention_view(q, k, v)
         attention = chunk_selected_attention if group is None else _shard_attention(group)
-        o_attn = attention(qa, ka, va, keep_attn.repeat_interleave(self.per_head, 1), scale=self.dqk ** -0.5,
+        o_attn = attention(qa, ka, va, self._per_attention_head(keep_attn), scale=self.dqk ** -0.5,
                            check_values=False)
         return self._merge(q, o_gdn, o_attn, gate)
 
@@ -314,7 +310,7 @@ class NatsLayer(MegatronModule):
         if not self.select:
             return self._merge(q, o_gdn, None, gate), cache
         qa, ka, va = self._attention_view(q, k, v)
-        keep = keep_attn.detach().repeat_interleave(self.per_head, 1)
+        keep = self._per_attention_head(keep_attn.detach())
         o_attn = chunk_selected_attention(qa, ka, va, keep, scale=self.dqk ** -0.5, check_values=False)
         cache.attention = selected_attention_prefill(ka, va, keep, CHUNK)
         cache.score_sum = score[:, n:].sum(1)
@@ -327,9 +323,9 @@ class NatsLayer(MegatronModule):
         state = q.new_zeros(B, self.H, self.K, self.V, dtype=torch.float32)
         outs = []
         if n:
-            o, state = _local_gdn(q[:, :n])(q[:, :n], k[:, :n], v[:, :n], g[:, :n], beta[:, :n],
-                                            keep[:, :, : n // CHUNK], output_final_state=True, use_qk_l2norm=True,
-                                            check_values=False)
+            o, state = chunk_selected_gdn(q[:, :n], k[:, :n], v[:, :n], g[:, :n], beta[:, :n],
+                                          keep[:, :, : n // CHUNK], output_final_state=True, use_qk_l2norm=True,
+                                          check_values=False)
             outs.append(o)
         rollback = state
         if n < T:
@@ -358,7 +354,7 @@ class NatsLayer(MegatronModule):
         qa, ka, va = (x[:, 0] for x in self._attention_view(q, k, v))
         o_attn = selected_attention_step(qa, ka, va, cache.attention, self.dqk ** -0.5)
         if keep_attn is not None:
-            cache.attention.commit(keep_attn.repeat_interleave(self.per_head, 1))
+            cache.attention.commit(self._per_attention_head(keep_attn))
         return self._merge(q, o_gdn[:, None], o_attn[:, None], gate)
 
     def tensorboard_scalars(self) -> dict[str, float]:
@@ -373,24 +369,22 @@ class NatsLayer(MegatronModule):
                          "merge_weight_gdn"), values))
 
 
-def _local_gdn(q: torch.Tensor):
-    """chunk_selected_gdn for a sequence on one rank: in segments side by side where a forward without autograd
-    would leave SMs idle (module docstring), else the plain op."""
-    B, T, H = q.shape[:3]
-    segments = 1 if torch.is_grad_enabled() else gdn_segments(B, H, T, q.device)
-    if segments == 1:
-        return chunk_selected_gdn
-    return lambda *args, **kwargs: chunk_selected_gdn_segmented(*args, segments=segments, **kwargs)
-
-
 def _shard_gdn(group):
     """chunk_selected_gdn for this CP rank's shard (module docstring, (2)): outputs as if the op had run from the
     state after all earlier shards; the final state is not returned (None)."""
 
     def gdn(q, k, v, g, beta, keep, use_qk_l2norm, check_values=True):
-        o_map, o_local, transition, local = run_with_state_map(q, k, v, g, beta, keep, use_qk_l2norm=use_qk_l2norm,
-                                                               check_values=check_values)
-        return add_start_state(o_local, o_map, prefix_states_matrix(local, transition, group)), None
+        B, T, H, K = k.shape
+        V = v.shape[-1]
+        eye = torch.eye(K, device=k.device, dtype=torch.float32).expand(B, H, K, K)
+        start = torch.cat([eye, eye.new_zeros(B, H, K, V)], -1)
+        values = torch.cat([v.new_zeros(B, T, H, K), v], -1)
+        o, final = chunk_selected_gdn(q, k, values, g, beta, keep, initial_state=start, output_final_state=True,
+                                      use_qk_l2norm=use_qk_l2norm, check_values=check_values)
+        o_map, o_local = o.split([K, V], -1)
+        transition, local = final.split([K, V], -1)
+        s0 = prefix_states_matrix(local.contiguous(), transition.contiguous(), group)
+        return (o_local.float() + torch.einsum("bthk,bhkv->bthv", o_map.float(), s0)).to(o.dtype), None
 
     return gdn
 
