@@ -116,8 +116,8 @@ def _chunk_mean(x: torch.Tensor) -> torch.Tensor:
     B, T = x.shape[:2]
     NC = math.ceil(T / CHUNK)
     padded = F.pad(x, (0, 0) * (x.dim() - 2) + (0, NC * CHUNK - T)).view(B, NC, CHUNK, *x.shape[2:])
-    counts = torch.full((NC,), CHUNK, device=x.device, dtype=x.dtype)
-    counts[-1] = T - (NC - 1) * CHUNK
+    # formed on the device: writing the last count from the host is a copy no CUDA graph can capture
+    counts = (T - CHUNK * torch.arange(NC, device=x.device)).clamp(max=CHUNK).to(x.dtype)
     return padded.sum(2) / counts.view(1, NC, *([1] * (x.dim() - 2)))
 
 
