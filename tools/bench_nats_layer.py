@@ -4,7 +4,8 @@ step time after 8K and 128K tokens (each eager and as a CUDA graph), bf16, batch
 The selection of an untrained model is a coin flip per chunk; trained NAtS-L layers keep few chunks for
 attention, so the `N` layers here keep a fixed fraction (KEPT, random chunks) to time what a trained model runs.
 Usage: python tools/bench_nats_layer.py  (writes tools/results/nats-layer.{json,md}); --profile adds each prefill's
-kernel times (torch.profiler) to the results; --prefill-only skips the decode rows.
+GPU time per module kind (CUDA events) and kernel times (torch.profiler) to the results; --prefill-only skips the
+decode rows.
 Training throughput of the presets: tools/bench_train.py with --config natsl-340m (and -n, -g, -s).
 """
 import argparse
@@ -20,11 +21,13 @@ from megahybrid.model.config import preset  # noqa: E402
 from megahybrid.model.gpt import build_model  # noqa: E402
 from megahybrid.model.mixers.nats import NatsDecodeCache, NatsLayer, cache_bytes  # noqa: E402
 from megahybrid.parallel import ParallelLayout  # noqa: E402
-from tools.benchutil import format_table, graphed, kernel_ms, peak_memory_mib, save_results, time_ms  # noqa: E402
+from tools.benchutil import (  # noqa: E402
+    format_table, graphed, kernel_ms, module_ms, peak_memory_mib, save_results, time_ms)
 
 KEPT = 0.1
 PREFILL = 131072
 DECODE_CONTEXTS = (8192, 131072)
+LAYER_KINDS = ("TransformerLayer", "NatsLayer", "MLP", "SelfAttention")  # --profile's per-kind GPU times
 
 
 def _fixed_fraction_choose(self, score):
@@ -45,13 +48,15 @@ def _prefill_row(name, pattern, profiles=None):
     run = lambda: decode.full_logits(model, tokens)  # noqa: E731
     row = {"model": name, "what": f"prefill {PREFILL // 1024}K", "ms": time_ms(run, 20, 100),
            "peak_mib": peak_memory_mib(run)}
-    replay = graphed(run)  # the eager forward is host-bound at 128K too: the graph times its kernels alone
+    replay = graphed(run)  # no host time: at 128K it ran as long as eager (2026-12-04), the forward is GPU-bound
     row["graphed_ms"] = time_ms(replay, 20, 100) if callable(replay) else replay
     del replay
     torch.cuda.empty_cache()
     if profiles is not None:
-        profiles[f"{name} prefill {PREFILL // 1024}K, kernel ms"] = kernel_ms(run)
-        print(name, profiles[f"{name} prefill {PREFILL // 1024}K, kernel ms"], flush=True)
+        where = f"{name} prefill {PREFILL // 1024}K"
+        profiles[f"{where}, GPU ms per module kind"] = module_ms(model, run, LAYER_KINDS)
+        profiles[f"{where}, kernel ms"] = kernel_ms(run)
+        print(name, profiles[f"{where}, GPU ms per module kind"], flush=True)
     return row
 
 

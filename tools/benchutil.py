@@ -87,6 +87,38 @@ def kernel_ms(fn, iters: int = 2, top: int = 25) -> dict:
     return {"all kernels": round(sum(ranked.values()), 3), **{k: round(v, 3) for k, v in list(ranked.items())[:top]}}
 
 
+def module_ms(model, fn, kinds: tuple[str, ...]) -> dict:
+    """GPU milliseconds of one fn() spent inside the modules of `model` whose class name is in kinds, per class (a
+    NatsLayer that selects is "NatsLayer-N"), with their count: CUDA events around each module's forward (hooks),
+    so it counts what the profiler may miss (at the 128K prefill its kernels summed to half the measured time)."""
+    events, handles = {}, []
+
+    def pre(module, args):
+        module._bench_start = torch.cuda.Event(enable_timing=True)
+        module._bench_start.record()
+
+    def post(name):
+        def hook(module, args, out):
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            events.setdefault(name, []).append((module._bench_start, end))
+        return hook
+
+    for module in model.modules():
+        name = type(module).__name__
+        if name in kinds:
+            name += "-N" if getattr(module, "select", False) else ""
+            handles += [module.register_forward_pre_hook(pre), module.register_forward_hook(post(name))]
+    try:
+        fn()
+        torch.cuda.synchronize()
+    finally:
+        for handle in handles:
+            handle.remove()
+    return {name: {"count": len(pairs), "ms": round(sum(a.elapsed_time(b) for a, b in pairs), 2)}
+            for name, pairs in events.items()}
+
+
 def matmul_peak_tflops(n: int = 8192) -> float:
     """Measured bf16 matmul rate on random data, the ceiling that MFU is quoted against."""
     a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
@@ -122,13 +154,20 @@ def save_results(name: str, rows: list[dict], extra: dict | None = None, results
     meta.update(extra or {})
     paths = {".json": root / f"{name}.json", ".md": root / f"{name}.md"}
     paths[".json"].write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    header = "\n".join(f"- {k}: {v}" for k, v in meta.items())
+    header = "\n".join(_meta_line(k, v) for k, v in meta.items())
     paths[".md"].write_text(f"# {name}\n\n{header}\n\n```\n{format_table(rows)}\n```\n")
     out_dir = os.environ.get("OUT")
     if out_dir:
         for path in paths.values():
             Path(out_dir, path.name).write_text(path.read_text())
     return paths[".md"]
+
+
+def _meta_line(key: str, value) -> str:
+    """A results header line; a dict value (a profile) as one indented line per entry."""
+    if not isinstance(value, dict):
+        return f"- {key}: {value}"
+    return "\n".join([f"- {key}:"] + [f"  - {k}: {v}" for k, v in value.items()])
 
 
 def print_row(row: dict) -> None:
