@@ -26,7 +26,8 @@ from megahybrid_kernels.interdomain import DEFAULT_PLAN, interdomain_attention, 
 from megahybrid_kernels.interdomain import readout as ro  # noqa: E402
 from megahybrid_kernels.interdomain import scan as sc  # noqa: E402
 from megahybrid_kernels.interdomain.chunk import interdomain_bwd, interdomain_fwd  # noqa: E402
-from tools.benchutil import format_table, matmul_peak_tflops, peak_memory_mib, save_results, time_ms  # noqa: E402
+from tools.benchutil import (  # noqa: E402
+    format_table, kernel_ms, matmul_peak_tflops, peak_memory_mib, save_results, time_ms)
 
 TOKENS, H, D = 65536, 16, 128
 
@@ -238,29 +239,18 @@ def paper_rows(Ts, budget_s, start, plan=DEFAULT_PLAN):
     return rows, {"matmul_peak_tflops": round(mm_peak, 1), "copy_peak_tbps": round(bw_peak, 2)}
 
 
-def paper_breakdown(T=4096, heads=12, dim=64, iters=5, device="cuda", plan=DEFAULT_PLAN):
-    """Milliseconds per fwd+bwd of each kernel (CUDA time by kernel name from torch.profiler, summed over its launches
-    in one step, averaged over `iters` steps) at a paper shape: where the time of the readout path goes."""
-    from torch.profiler import ProfilerActivity, profile
-
-    fwd, leaves = _inputs_and_fwd(T, PAPER_M, plan=plan, heads=heads, dim=dim, readout=True, device=device)
+def paper_breakdown(T=4096, heads=12, dim=64, iters=5, plan=DEFAULT_PLAN):
+    """Milliseconds per fwd+bwd of each kernel (benchutil.kernel_ms: CUDA time by kernel name, summed over its
+    launches in one step, averaged over `iters` steps) at a paper shape: where the time of the readout path goes."""
+    fwd, leaves = _inputs_and_fwd(T, PAPER_M, plan=plan, heads=heads, dim=dim, readout=True)
     do = torch.randn_like(fwd())
-    step = lambda: torch.autograd.backward(fwd(), do)  # noqa: E731
-    step()
-    cuda = device == "cuda"
-    with profile(activities=[ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]) as prof:
-        for _ in range(iters):
-            for leaf in leaves:
-                leaf.grad = None
-            step()
-        if cuda:
-            torch.cuda.synchronize()
-    times = {}
-    for event in prof.key_averages():
-        us = event.device_time_total if cuda else event.self_cpu_time_total
-        if us > 0 and (cuda or not event.key.startswith(("aten::", "autograd::", "["))):
-            times[event.key[:60]] = round(us / iters / 1e3, 3)
-    return dict(sorted(times.items(), key=lambda kv: -kv[1]))
+
+    def step():
+        for leaf in leaves:
+            leaf.grad = None
+        torch.autograd.backward(fwd(), do)
+
+    return kernel_ms(step, iters)
 
 
 def plan_from(pairs: list):
