@@ -20,11 +20,11 @@ run_tests() {  # NAME PATHS...: stops at 290 s with a summary (SIGINT), the log 
 }
 
 if [ "$mode" = pending ]; then  # every GPU test passed on the H200 (669598c; fla at 513bef4; the Interdomain kernels
-  # at ea500e9) but session 16's changes: the CP shard summary's TF32 product (test_s4d), the NAtS layer's per-head
-  # keep as an expand (the N / INSG training steps, eager and compiled), then the 128K prefill eager and graphed
-  run_tests pending tests/kernels/test_s4d.py tests/test_nats_cp.py "tests/test_train_gpu.py::test_training_steps_on_gpu[N]" \
-    "tests/test_train_gpu.py::test_training_steps_on_gpu[INSG]"
+  # at ea500e9; session 16's at c7dda94: gpu-tests-2026-12-02.md row 21). Not yet run there: session 16's benchmark
+  # helpers after their last GPU call, bench_nats_layer --profile's per-module times (benchutil.module_ms; the same
+  # hooks ran ad hoc at 4d60f9c) and bench_interdomain --paper's kernel times through benchutil.kernel_ms
   timeout -k 5 200 python3 tools/bench_nats_layer.py --profile --prefill-only 2>&1 | grep -v -i warn | tail -4
+  timeout -k 5 200 python3 tools/bench_interdomain.py --paper --quick --budget-s 120 2>&1 | tail -8
 fi
 if [ "$mode" = recall ]; then  # #20: MQAR recall of repro-small architectures, each as a narrow MQAR model (d 128,
   # lr 1e-3, an 83-value task vocabulary: what learned recall on the CPU, session 13), 3000 steps of 64 at 256 tokens,
