@@ -24,7 +24,8 @@ if [ "$mode" = pending ]; then  # every GPU test passed on the H200 (669598c; fl
   # helpers after their last GPU call, bench_nats_layer --profile's per-module times (benchutil.module_ms; the same
   # hooks ran ad hoc at 4d60f9c) and bench_interdomain --paper's kernel times through benchutil.kernel_ms
   timeout -k 5 200 python3 tools/bench_nats_layer.py --profile --prefill-only 2>&1 | grep -v -i warn | tail -4
-  timeout -k 5 200 python3 tools/bench_interdomain.py --paper --quick --budget-s 120 2>&1 | tail -8
+  # (the default plan named, so the quick rows go to interdomain-paper-plan.*, not over the full table)
+  timeout -k 5 200 python3 tools/bench_interdomain.py --paper --quick --plan warps_bwd_a=4 --budget-s 120 2>&1 | tail -8
 fi
 if [ "$mode" = recall ]; then  # #20: MQAR recall of repro-small architectures, each as a narrow MQAR model (d 128,
   # lr 1e-3, an 83-value task vocabulary: what learned recall on the CPU, session 13), 3000 steps of 64 at 256 tokens,
