@@ -104,7 +104,8 @@ def _speedup(pair: list[dict], key: str):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--profile", action="store_true", help="each prefill's kernel times into the results")
+    parser.add_argument("--profile", action="store_true",
+                        help="each prefill's GPU time per module kind and kernel times into the results")
     parser.add_argument("--prefill-only", action="store_true", help="skip the decode rows")
     args = parser.parse_args(argv)
     init_distributed(ParallelLayout())
