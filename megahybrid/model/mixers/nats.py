@@ -258,9 +258,8 @@ class NatsLayer(MegatronModule):
         return choice[..., 0], choice[..., 1]
 
     def _per_attention_head(self, keep: torch.Tensor) -> torch.Tensor:
-        """A GDN head's choices [B, H, ...] for each attention head viewing its channels: [B, H * per_head, ...].
-        An expand, not repeat_interleave, whose integer form copies a host tensor to the GPU (no CUDA graph can
-        capture that: the 128K prefill's capture failed on it)."""
+        """A GDN head's choices [B, H, ...] for each attention head viewing its channels: [B, H * per_head, ...]
+        (repeat_interleave along the heads, as an expand: the form the 128K prefill's CUDA graph ran with)."""
         B, H = keep.shape[:2]
         return keep.unsqueeze(2).expand(B, H, self.per_head, *keep.shape[2:]).flatten(1, 2)
 
