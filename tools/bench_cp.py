@@ -122,14 +122,16 @@ def rows_for(name: str, args, precision: str, profiles: dict | None = None) -> l
         cfg = model_config(name, S * cp)  # the records' byte counts are per sequence of the whole context
         model = build_model(model_config(name, S), ParallelLayout(), precision)
         tokens = torch.randint(0, cfg.vocab_size, (1, S), device=next(model.parameters()).device)
-        no_cp = time_ms(lambda: fwd_bwd(model, tokens), args.warmup, args.reps)
+        step = lambda: fwd_bwd(model, tokens)  # noqa: E731
+        profile = profiles is not None and cp == args.cps[0]
+        no_cp = time_ms(step, args.warmup, args.reps)
         with stand_in_cp(StandInGroup(cp - 1, cp)):
-            rank = time_ms(lambda: fwd_bwd(model, tokens), args.warmup, args.reps)
-            finite = bool(torch.isfinite(fwd_bwd(model, tokens)))
-            if profiles is not None and cp == args.cps[0]:
-                profiles[f"{name} cp={cp} rank, kernel ms"] = kernel_ms(lambda: fwd_bwd(model, tokens))
-        if profiles is not None and cp == args.cps[0]:
-            profiles[f"{name} shard {S} without CP, kernel ms"] = kernel_ms(lambda: fwd_bwd(model, tokens))
+            rank = time_ms(step, args.warmup, args.reps)
+            finite = bool(torch.isfinite(step()))
+            if profile:
+                profiles[f"{name} cp={cp} rank, kernel ms"] = kernel_ms(step)
+        if profile:
+            profiles[f"{name} shard {S} without CP, kernel ms"] = kernel_ms(step)
         per_layer = cp_bytes_per_layer(cfg, cp, 2)
         sent = sum(per_layer[c] for c in cfg.layer_pattern)
         link_ms = sent / (args.link_gbs * 1e9) * 1e3

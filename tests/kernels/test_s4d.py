@@ -109,8 +109,8 @@ def test_tf32_summary_product_gradients_on_cpu():
 @pytest.mark.gpu
 @requires_gpu
 def test_shard_summary_bf16_on_tf32_gpu():
-    """The CP shard summary of bf16 inputs on the TF32 tensor cores against float64 (fp32 weights round to TF32:
-    1e-3 relative), gradients for x, decay and b included."""
+    """The CP shard summary of bf16 inputs on the TF32 tensor cores against the same from float64 x, which takes the
+    plain fp32 products (fp32 weights round to TF32: 1e-3 relative), gradients for x, decay and b included."""
     s, grads, ref, ref_grads = _summary_case("cuda", torch.bfloat16, T=4096)
     assert_close(s, ref, 2e-3, "summary")
     for name, a, r in zip(("dx", "ddecay", "db"), grads, ref_grads):
