@@ -31,6 +31,18 @@ def present(t: torch.Tensor | None) -> torch.Tensor | None:
     return None if t is None or t.numel() == 0 else t
 
 
+class tf32_products:
+    """torch's TF32 switch for float32 matrix products (cuBLAS on the GPU), on inside the block only: the host-side
+    products of the CP shard summaries, whose 16-bit inputs are exact in TF32 (megahybrid.model.cp)."""
+
+    def __enter__(self):
+        self.saved = torch.backends.cuda.matmul.allow_tf32
+        torch.backends.cuda.matmul.allow_tf32 = True
+
+    def __exit__(self, *exc):
+        torch.backends.cuda.matmul.allow_tf32 = self.saved
+
+
 # tl.dot's input_precision for fp32 operands on the GPU, per op, chosen by tools/bench_dot_precision.py on the H200
 # (tools/results/dot-precision.md: error of the output and every gradient against the op's fp32 reference, time,
 # cold build time). tf32x3 (three TF32 products per dot) matches "ieee" to ~1e-5 for interdomain and ~6e-7 for the

@@ -6,7 +6,7 @@ plus the state-passing prefix combine."""
 import pytest
 
 from tests.dist import run_on_ranks
-from tests.utils import assert_close
+from tests.utils import assert_close, requires_gpu
 
 LOSS_TOL = 1e-5  # fp32, reductions reordered across ranks
 GRAD_TOL = 1e-4  # relative RMS error of each full gradient
@@ -186,3 +186,54 @@ def test_nats_shards_must_be_whole_chunks(pattern):
         build_model(preset("tiny", pattern=pattern, seq_length=192), ParallelLayout.for_world(2, cp=2))
     message = str(err.value)
     assert "\n" not in message and "model.seq_length=192 must be a multiple of 128 (mixer chunk 64 x cp 2)" in message
+
+
+def _start_state_readouts(device: str, dtype, T: int):
+    """read_start_state of x in `dtype`, and the float64 product of the same x and s0 (the reference): outputs and
+    the gradients of x and s0 under one fixed random weighting."""
+    import torch
+
+    from megahybrid.model.cp import read_start_state
+
+    g = torch.Generator().manual_seed(0)
+    x, s0 = torch.randn(2, T, 3, 64, generator=g).to(dtype), torch.randn(2, 3, 64, 96, generator=g)
+    weight = torch.randn(2, T, 3, 96, generator=g, dtype=torch.float64).to(device)
+    outs = []
+    for fn, xi, si in ((read_start_state, x, s0), (lambda *a: torch.einsum("bthk,bhkv->bthv", *a), x.double(),
+                                                   s0.double())):
+        leaves = [xi.to(device).requires_grad_(), si.to(device).requires_grad_()]
+        o = fn(*leaves)
+        outs.append((o.double(), [t.double() for t in torch.autograd.grad((o * weight).sum(), leaves)]))
+    return outs
+
+
+def test_start_state_readout_gradients_on_cpu():
+    """The TF32 read-out's hand-written backward (the GPU's path for 16-bit maps) equals autograd's through the plain
+    product: on the CPU the function is called directly (the switch is a no-op there)."""
+    import torch
+
+    from megahybrid.model.cp import _Tf32StateReadout
+
+    g = torch.Generator().manual_seed(0)
+    x, s0, do = torch.randn(2, 50, 3, 8, generator=g).bfloat16(), torch.randn(2, 3, 8, 5), torch.randn(2, 50, 3, 5)
+    outs = []
+    for fn in (_Tf32StateReadout.apply, lambda x_, s_: torch.einsum("bthk,bhkv->bthv", x_.float(), s_)):
+        leaves = [t.detach().clone().requires_grad_() for t in (x, s0)]
+        o = fn(*leaves)
+        outs.append((o, torch.autograd.grad((o * do).sum(), leaves)))
+    (o, grads), (ro, rgrads) = outs
+    assert_close(o, ro, 1e-6, "read-out")
+    for name, a, r in zip(("dx", "ds0"), grads, rgrads):
+        assert a.dtype == r.dtype
+        assert_close(a, r, 1e-6, name)
+
+
+@pytest.mark.gpu
+@requires_gpu
+def test_start_state_readout_bf16_on_tf32_gpu():
+    """The GDN shard correction of bf16 maps on the TF32 tensor cores against the float64 product (s0 rounds to
+    TF32: 1e-3 relative; dx to bf16: 1.6e-3 on the CPU), both gradients included."""
+    (o, grads), (ref, ref_grads) = _start_state_readouts("cuda", __import__("torch").bfloat16, T=4096)
+    assert_close(o, ref, 2e-3, "read-out")
+    for name, a, r in zip(("dx", "ds0"), grads, ref_grads):
+        assert_close(a, r, 5e-3 if name == "dx" else 3e-3, name)

@@ -242,6 +242,18 @@ def test_result_tables_show_columns_that_only_later_rows_have():
     assert first.split() == ["prefill", "2"] and second.split() == ["decode", "4.5"]
 
 
+def test_kernel_times_add_kernels_whose_cut_names_agree():
+    """benchutil.kernel_ms cuts kernel names to 70 characters; instances that agree there are one row, their times
+    added (the 128K prefill's elementwise instances once replaced each other, losing half its kernel time)."""
+    from types import SimpleNamespace as Event
+
+    stem = "void at::native::vectorized_elementwise_kernel<8, at::native::bfloat16_"
+    events = [Event(key=stem + "a", device_time_total=3000.0), Event(key=stem + "b", device_time_total=1000.0),
+              Event(key="_fwd_h_kernel", device_time_total=2000.0), Event(key="aten::mul", device_time_total=9e3)]
+    ranked = _tool("benchutil")._ranked_ms(events, cuda=True, iters=2, top=5)
+    assert ranked == {"all kernels": 3.0, stem[:70]: 2.0, "_fwd_h_kernel": 1.0}
+
+
 def test_bench_mixers_summary_reads_the_current_results():
     """tools/bench_mixers.py --summary-only reads tools/results/<op>.json, the ops' current results."""
     mixers = _tool("bench_mixers")

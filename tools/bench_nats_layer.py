@@ -5,11 +5,12 @@ The selection of an untrained model is a coin flip per chunk; trained NAtS-L lay
 attention, so the `N` layers here keep a fixed fraction (KEPT, random chunks) to time what a trained model runs.
 Usage: python tools/bench_nats_layer.py  (writes tools/results/nats-layer.{json,md}); --profile adds each prefill's
 GPU time per module kind (CUDA events) and kernel times (torch.profiler) to the results; --prefill-only skips the
-decode rows.
+decode rows; --compile adds each prefill under torch.compile.
 Training throughput of the presets: tools/bench_train.py with --config natsl-340m (and -n, -g, -s).
 """
 import argparse
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -22,7 +23,7 @@ from megahybrid.model.gpt import build_model  # noqa: E402
 from megahybrid.model.mixers.nats import NatsDecodeCache, NatsLayer, cache_bytes  # noqa: E402
 from megahybrid.parallel import ParallelLayout  # noqa: E402
 from tools.benchutil import (  # noqa: E402
-    format_table, graphed, kernel_ms, module_ms, peak_memory_mib, save_results, time_ms)
+    _project_frame, format_table, graphed, kernel_ms, module_ms, peak_memory_mib, save_results, time_ms)
 
 KEPT = 0.1
 PREFILL = 131072
@@ -42,7 +43,8 @@ def _model(pattern: str, seq: int):
     return cfg, build_model(cfg, ParallelLayout(), "bf16").eval()
 
 
-def _prefill_row(name, pattern, profiles=None):
+def _prefill_row(name, pattern, profiles=None, compiled=False):
+    """Eager and CUDA-graph prefill times, and torch.compile's with `compiled` (full_logits: no autograd)."""
     cfg, model = _model(pattern, PREFILL)
     tokens = torch.randint(0, cfg.vocab_size, (1, PREFILL), device="cuda")
     run = lambda: decode.full_logits(model, tokens)  # noqa: E731
@@ -52,12 +54,32 @@ def _prefill_row(name, pattern, profiles=None):
     row["graphed_ms"] = time_ms(replay, 20, 100) if callable(replay) else replay
     del replay
     torch.cuda.empty_cache()
+    where = f"{name} prefill {PREFILL // 1024}K"
     if profiles is not None:
-        where = f"{name} prefill {PREFILL // 1024}K"
         profiles[f"{where}, GPU ms per module kind"] = module_ms(model, run, LAYER_KINDS)
         profiles[f"{where}, kernel ms"] = kernel_ms(run)
         print(name, profiles[f"{where}, GPU ms per module kind"], flush=True)
+    if compiled:
+        fast = torch.compile(model)
+        run = lambda: decode.full_logits(fast, tokens)  # noqa: E731
+        try:
+            row["compile_s"] = _seconds(run)
+        except Exception as err:  # the row keeps its eager times and says why
+            row["compiled_ms"] = f"{type(err).__name__}: {str(err).splitlines()[0][:60]} ({_project_frame(err)})"
+            return row
+        row["compiled_ms"] = time_ms(run, 20, 100)
+        if profiles is not None:
+            profiles[f"{where} compiled, kernel ms"] = kernel_ms(run)
     return row
+
+
+def _seconds(fn) -> float:
+    """Wall seconds of one fn() (the first call of a compiled forward: its compilation)."""
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return round(time.perf_counter() - start, 1)
 
 
 def _open_chunk_counters(ctx) -> list[tuple]:
@@ -107,13 +129,17 @@ def main(argv=None):
     parser.add_argument("--profile", action="store_true",
                         help="each prefill's GPU time per module kind and kernel times into the results")
     parser.add_argument("--prefill-only", action="store_true", help="skip the decode rows")
+    parser.add_argument("--compile", action="store_true",
+                        help="also time each prefill under torch.compile (compile_s: its first call)")
     args = parser.parse_args(argv)
     init_distributed(ParallelLayout())
     NatsLayer._choose = _fixed_fraction_choose
     hybrid = preset("natsl-340m").pattern
     profiles = {} if args.profile else None
-    rows = [_prefill_row("Hybrid", hybrid, profiles), _prefill_row("S", "S", profiles)]
+    rows = [_prefill_row(name, pattern, profiles, args.compile) for name, pattern in (("Hybrid", hybrid), ("S", "S"))]
     rows[0]["speedup"], rows[0]["graphed_speedup"] = _speedup(rows, "ms"), _speedup(rows, "graphed_ms")
+    if args.compile:
+        rows[0]["compiled_speedup"] = _speedup(rows, "compiled_ms")
     for context in () if args.prefill_only else DECODE_CONTEXTS:
         pair = [_decode_row("Hybrid", hybrid, context), _decode_row("S", "S", context)]
         pair[0]["speedup"], pair[0]["graphed_speedup"] = _speedup(pair, "ms"), _speedup(pair, "graphed_ms")

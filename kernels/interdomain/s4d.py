@@ -13,6 +13,8 @@ that defines it.
 """
 import torch
 
+from megahybrid_kernels._triton import tf32_products
+
 __all__ = ["s4d_contraction", "s4d_contraction_naive", "s4d_contraction_step", "zero_start_state"]
 
 
@@ -89,27 +91,16 @@ class _Tf32Sum(torch.autograd.Function):
     @staticmethod
     def forward(ctx, w, x):
         ctx.save_for_backward(w, x)
-        with _tf32():
+        with tf32_products():
             return torch.einsum("thk,bthd->bhkd", w, x.float())
 
     @staticmethod
     def backward(ctx, ds):
         w, x = ctx.saved_tensors
-        with _tf32():
+        with tf32_products():
             dw = torch.einsum("bhkd,bthd->thk", ds, x.float()) if ctx.needs_input_grad[0] else None
             dx = torch.einsum("thk,bhkd->bthd", w, ds).to(x.dtype) if ctx.needs_input_grad[1] else None
         return dw, dx
-
-
-class _tf32:
-    """torch's TF32 switch for float32 matrix products, on inside the block only."""
-
-    def __enter__(self):
-        self.saved = torch.backends.cuda.matmul.allow_tf32
-        torch.backends.cuda.matmul.allow_tf32 = True
-
-    def __exit__(self, *exc):
-        torch.backends.cuda.matmul.allow_tf32 = self.saved
 
 
 def _stack(z: torch.Tensor, dim: int) -> torch.Tensor:

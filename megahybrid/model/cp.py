@@ -8,11 +8,13 @@ shards the last rank attends over the whole sequence and the first over its own 
 (2r+1)/cp in attention work on rank r (documented in the README; the matmuls around it are balanced).
 
 Pieces here: a differentiable all-gather along the sequence (its backward sums the gradients of all ranks and
-keeps this rank's slice), the shard of a batch, the RoPE table of a shard, and the prefix combine of
-per-rank summaries for diagonal and matrix transitions.
+keeps this rank's slice), the shard of a batch, the RoPE table of a shard, the prefix combine of per-rank
+summaries for diagonal and matrix transitions, and the read-out of a start state by per-token maps.
 """
 import torch
 import torch.distributed as dist
+
+from megahybrid_kernels._triton import tf32_products
 
 
 class _GatherSequence(torch.autograd.Function):
@@ -113,3 +115,33 @@ def layer_cp_group(config):
     from megahybrid.distributed import context_parallel_group
 
     return context_parallel_group()
+
+
+class _Tf32StateReadout(torch.autograd.Function):
+    """o[b, t, h, v] = sum_k x[b, t, h, k] s[b, h, k, v] for 16-bit x and fp32 s on the GPU's TF32 tensor cores,
+    forward and both gradients (x is exact in TF32; s rounds to 1e-3 relative, as the ops' fp32 intermediates do in
+    16-bit runs). As plain fp32 products the GDN shard correction was most of the 38 ms of fp32 products in a
+    32K-token shard of the 340M `G` model's step on the H200 (bench_cp --profile, c7dda94)."""
+
+    @staticmethod
+    def forward(ctx, x, s):
+        ctx.save_for_backward(x, s)
+        with tf32_products():
+            return torch.einsum("bthk,bhkv->bthv", x.float(), s)
+
+    @staticmethod
+    def backward(ctx, do):
+        x, s = ctx.saved_tensors
+        with tf32_products():
+            dx = torch.einsum("bthv,bhkv->bthk", do, s).to(x.dtype) if ctx.needs_input_grad[0] else None
+            ds = torch.einsum("bthk,bthv->bhkv", x.float(), do) if ctx.needs_input_grad[1] else None
+        return dx, ds
+
+
+def read_start_state(x_BTHK: torch.Tensor, s_BHKV: torch.Tensor) -> torch.Tensor:
+    """sum_k x[b, t, h, k] s0[b, h, k, v] in fp32 [B, T, H, V]: what a start state s0 adds to the outputs of a
+    shard whose per-token maps x were run from the identity (the GDN shard correction). TF32 for 16-bit x on a
+    GPU, full fp32 otherwise."""
+    if x_BTHK.is_cuda and x_BTHK.dtype != torch.float32:
+        return _Tf32StateReadout.apply(x_BTHK, s_BHKV.float())
+    return torch.einsum("bthk,bhkv->bthv", x_BTHK.float(), s_BHKV)

@@ -57,7 +57,8 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megahybrid_kernels.nats import chunk_selected_attention, chunk_selected_gdn, chunk_selected_gdn_step
 from megahybrid_kernels.nats.attention import SelectedAttentionCache, selected_attention_prefill, selected_attention_step
 from megahybrid.errors import ConfigError
-from megahybrid.model.cp import gather_sequence, layer_cp_group, prefix_states_matrix, previous_shard_tail
+from megahybrid.model.cp import (
+    gather_sequence, layer_cp_group, prefix_states_matrix, previous_shard_tail, read_start_state)
 from megahybrid.model.mixers import Mixer
 from megahybrid.model.mixers.shortconv import causal_depthwise_conv
 
@@ -383,7 +384,7 @@ def _shard_gdn(group):
         o_map, o_local = o.split([K, V], -1)
         transition, local = final.split([K, V], -1)
         s0 = prefix_states_matrix(local.contiguous(), transition.contiguous(), group)
-        return (o_local.float() + torch.einsum("bthk,bhkv->bthv", o_map.float(), s0)).to(o.dtype), None
+        return (o_local.float() + read_start_state(o_map, s0)).to(o.dtype), None
 
     return gdn
 
