@@ -100,7 +100,7 @@ def kernel_breakdown(T: int = 4096, frac: float = 0.25, reps: int = 5) -> None:
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=40))
 
 
-PLANS = {"plain": GdnPlan(False, False), "hoisted": GdnPlan(True, True)}
+PLANS = {"plain": GdnPlan(False, False), "prefetch": GdnPlan(True, True)}
 PLAN_SHAPES = ((1, 131072), (4, 4096), (1, 16384))  # (B, T): the 128K prefill, natsl-340m micro-batches at 4K / 16K
 
 

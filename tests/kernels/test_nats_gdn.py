@@ -81,12 +81,12 @@ def test_kernels_match_naive(T, decay_dropped, nan_empty):
     compare(make_inputs(1, T, 2, 32, 16, seed=T), FP32_TOL, decay_dropped=decay_dropped)
 
 
-@pytest.mark.parametrize("hoist_fwd,hoist_bwd", [(False, False), (True, False), (False, True)])
+@pytest.mark.parametrize("prefetch_fwd,prefetch_bwd", [(False, False), (True, False), (False, True)])
 @pytest.mark.parametrize("decay_dropped", [True, False])
-def test_state_kernel_plans_match_naive(hoist_fwd, hoist_bwd, decay_dropped, nan_empty, monkeypatch):
-    """Every form of the sequential state kernels (the default hoists both), dropped chunks included, a
+def test_state_kernel_plans_match_naive(prefetch_fwd, prefetch_bwd, decay_dropped, nan_empty, monkeypatch):
+    """Every form of the sequential state kernels (the default prefetches both), dropped chunks included, a
     partial last chunk, and a sequence of one chunk."""
-    monkeypatch.setattr(gdn_chunk, "PLAN", GdnPlan(hoist_fwd, hoist_bwd))
+    monkeypatch.setattr(gdn_chunk, "PLAN", GdnPlan(prefetch_fwd, prefetch_bwd))
     for T in (40, 300):
         inputs = make_inputs(1, T, 2, 32, 16, seed=T + 7)
         assert T < 64 or ((inputs[5] == 0).any() and (inputs[5] == 1).any())

@@ -16,13 +16,12 @@ class GdnPlan:
     """Tuning choices of the sequential state kernels; nothing here changes what the op computes. The host functions
     read `chunk.PLAN` at each call (a benchmark swaps it to compare).
 
-    hoist_fwd, hoist_bwd: _fwd_h_kernel / _bwd_dh_kernel load all of a chunk's operands at the top of the loop body
-    and run both products of a dropped chunk with zero weights instead of branching on its keep flag, so that no
-    load waits on the state and the software pipeliner can issue later chunks' loads early.
+    prefetch_fwd, prefetch_bwd: _fwd_h_kernel / _bwd_dh_kernel load the next chunk's operands before this chunk's
+    products, and run both products of a dropped chunk with zero weights instead of branching on its keep flag.
     """
 
-    hoist_fwd: bool = True
-    hoist_bwd: bool = True
+    prefetch_fwd: bool = True
+    prefetch_bwd: bool = True
 
 
 def _tuned(key, configs):
