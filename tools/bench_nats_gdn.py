@@ -2,12 +2,7 @@
 
 B*T = 65,536 tokens, H = 8, K = 128, V = 256; kept fraction 0/10/25/50/100 %; T in 4K/16K/64K; forward and
 forward+backward. Usage: python tools/bench_nats_gdn.py  (writes tools/results/nats-gdn.{json,md}).
---plans: the sequential state kernels' plans (kernels/nats/gdn/tiles.py GdnPlan) side by side at the layers' shapes
-(natsl-340m: 6 heads, K = 128, V = 256; 10 % of chunks dropped as N keeps them for attention): the 128K prefill's
-batch of one and the training micro-batches, forward and forward+backward, and each plan's largest output and
-gradient difference from the first plan's (writes tools/results/nats-gdn-plans.{json,md}).
 """
-import argparse
 import sys
 from pathlib import Path
 
@@ -16,8 +11,6 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from megahybrid_kernels.nats import chunk_selected_gdn  # noqa: E402
-from megahybrid_kernels.nats.gdn import chunk as gdn_chunk  # noqa: E402
-from megahybrid_kernels.nats.gdn.tiles import GdnPlan  # noqa: E402
 from tools.benchutil import format_table, peak_memory_mib, save_results, time_ms  # noqa: E402
 
 TOKENS, H, K, V = 65536, 8, 128, 256
@@ -25,8 +18,8 @@ LENGTHS = (4096, 16384, 65536)
 FRACTIONS = (0.0, 0.1, 0.25, 0.5, 1.0)
 
 
-def make_inputs(T: int, frac: float, B: int | None = None, H: int = H, K: int = K, V: int = V):
-    B, NT = B or TOKENS // T, T // 64
+def make_inputs(T: int, frac: float):
+    B, NT = TOKENS // T, T // 64
     dev, bf = "cuda", torch.bfloat16
     q = F.normalize(torch.randn(B, T, H, K, device=dev), dim=-1).to(bf)
     k = F.normalize(torch.randn(B, T, H, K, device=dev), dim=-1).to(bf)
@@ -100,43 +93,7 @@ def kernel_breakdown(T: int = 4096, frac: float = 0.25, reps: int = 5) -> None:
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=40))
 
 
-PLANS = {"plain": GdnPlan(False, False), "prefetch": GdnPlan(True, True)}
-PLAN_SHAPES = ((1, 131072), (4, 4096), (1, 16384))  # (B, T): the 128K prefill, natsl-340m micro-batches at 4K / 16K
-
-
-def bench_plans() -> list[dict]:
-    """Each plan's forward and forward+backward times at the layers' shapes, and how far its output and gradients
-    are from the first plan's (the same arithmetic in another order: rounding only)."""
-    rows = []
-    for B, T in PLAN_SHAPES:
-        inputs, first = make_inputs(T, 0.9, B=B, H=6, K=128, V=256), None
-        for name, plan in PLANS.items():
-            gdn_chunk.PLAN = plan
-            xs = [x.detach().requires_grad_() for x in inputs]
-            o = chunk_selected_gdn(*xs)[0]
-            grads = torch.autograd.grad(o, xs[:5], torch.ones_like(o))
-            with torch.no_grad():
-                fwd = time_ms(lambda: chunk_selected_gdn(*inputs))
-            row = {"B": B, "T": T, "plan": name, "fwd_ms": fwd, "fwd_bwd_ms": time_ms(fwd_bwd_fn(chunk_selected_gdn,
-                                                                                             inputs))}
-            if first is not None:
-                row["max_rel_diff"] = max(float((a.float() - b.float()).norm() / b.float().norm().clamp(min=1e-30))
-                                          for a, b in zip((o, *grads), first))
-            first = first or (o, *grads)
-            rows.append(row)
-            print(row, flush=True)
-    gdn_chunk.PLAN = GdnPlan()
-    return rows
-
-
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--plans", action="store_true", help="the state kernels' plans side by side (see above)")
-    if parser.parse_args().plans:
-        rows = bench_plans()
-        print(format_table(rows))
-        print("saved", save_results("nats-gdn-plans", rows, {"shape": "H=6, K=128, V=256, bf16, 90 % of chunks kept"}))
-        return
     rows, fla = [], fla_op()
     extra = {"shape": f"B*T={TOKENS}, H={H}, K={K}, V={V}, bf16, chunk 64", "op": "megahybrid_kernels.nats.chunk_selected_gdn"}
     for T in LENGTHS:

@@ -14,7 +14,6 @@ import torch.nn.functional as F
 from megahybrid_kernels.nats import chunk_selected_gdn, chunk_selected_gdn_step
 from megahybrid_kernels.nats.gdn import chunk as gdn_chunk
 from megahybrid_kernels.nats.gdn import naive_chunk_selected_gdn
-from megahybrid_kernels.nats.gdn.tiles import GdnPlan
 from tests.utils import (HAS_CUDA, assert_close, nan_poisoned_empty, rel_rms_error, requires_gpu,
                          subprocess_pythonpath, test_device)
 
@@ -79,18 +78,6 @@ def compare(inputs, tol, grad_tol=None, **kw):
 @pytest.mark.parametrize("T", [63, 64, 100, 300])
 def test_kernels_match_naive(T, decay_dropped, nan_empty):
     compare(make_inputs(1, T, 2, 32, 16, seed=T), FP32_TOL, decay_dropped=decay_dropped)
-
-
-@pytest.mark.parametrize("prefetch_fwd,prefetch_bwd", [(False, False), (True, False), (False, True)])
-@pytest.mark.parametrize("decay_dropped", [True, False])
-def test_state_kernel_plans_match_naive(prefetch_fwd, prefetch_bwd, decay_dropped, nan_empty, monkeypatch):
-    """Every form of the sequential state kernels (the default prefetches both), dropped chunks included, a
-    partial last chunk, and a sequence of one chunk."""
-    monkeypatch.setattr(gdn_chunk, "PLAN", GdnPlan(prefetch_fwd, prefetch_bwd))
-    for T in (40, 300):
-        inputs = make_inputs(1, T, 2, 32, 16, seed=T + 7)
-        assert T < 64 or ((inputs[5] == 0).any() and (inputs[5] == 1).any())
-        compare(inputs, FP32_TOL, decay_dropped=decay_dropped)
 
 
 @pytest.mark.parametrize("T", [100, 200])

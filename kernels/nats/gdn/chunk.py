@@ -21,17 +21,14 @@ from triton.runtime.errors import OutOfResources
 
 from megahybrid_kernels._triton import absent, dot_precision, interpreting, next_pow2, present, use_torch_path
 from megahybrid_kernels.nats.checks import check_keep_values, check_log_decay
-from megahybrid_kernels.nats.gdn.tiles import (
-    BT, GdnPlan, _chunk_bk, _chunk_scalars, _ld, _ld_t, _ld_vec, _loop_bv, _st, _tuned)
+from megahybrid_kernels.nats.gdn.tiles import BT, _chunk_bk, _chunk_scalars, _ld, _ld_t, _ld_vec, _loop_bv, _st, _tuned
 from megahybrid_kernels.nats.gdn.torch_chunk import torch_chunk_selected_gdn
 from megahybrid_kernels.nats.gdn.wy import _bwd_wy_kernel, _recompute_wu, _wy_fwd
-
-PLAN = GdnPlan()
 
 @triton.jit
 def _fwd_h_program(k, w, u, G, keep, h, v_new, h0, ht, T, NT, H: tl.constexpr, K: tl.constexpr,
                    V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DECAY_DROPPED: tl.constexpr,
-                   USE_H0: tl.constexpr, STORE_HT: tl.constexpr, PREC: tl.constexpr, PREFETCH: tl.constexpr):
+                   USE_H0: tl.constexpr, STORE_HT: tl.constexpr, PREC: tl.constexpr):
     """Sequential inter-chunk recurrence with the commit mask; writes chunk-start states and v'; grid (NV, B*H)."""
     i_v, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
@@ -45,47 +42,20 @@ def _fwd_h_program(k, w, u, G, keep, h, v_new, h0, ht, T, NT, H: tl.constexpr, K
     b_h = tl.zeros([BK, BV], tl.float32)
     if USE_H0:
         b_h += _ld(h0 + i_bh.to(tl.int64) * K * V, ck, cv, K, V, V).to(tl.float32)
-    if PREFETCH:
-        # The loop is latency-bound (B*H*V/BV programs, one chunk after another). The next chunk's operands do not
-        # depend on the state, so they are loaded before this chunk's two products and their memory latency
-        # overlaps them. Both products always run (a dropped chunk's with zero weights): no branch on m.
-        r = tl.arange(0, 64)
-        b_w, b_u, b_kt, b_G = _fwd_h_operands(k, w, u, G, r, ck, cv, T, H, K, V)
-        m, g_last, a = _chunk_scalars(G, keep, 0, T, i_bh.to(tl.int64) * NT, H, DECAY_DROPPED)
-        for i_t in tl.range(NT):
-            _st(h + ((i_b.to(tl.int64) * NT + i_t) * H + i_h) * K * V, ck, cv, K, V, V, b_h)
-            i_n = tl.minimum(i_t + 1, NT - 1)  # the last chunk loads itself again, unused
-            r_n = i_n * 64 + tl.arange(0, 64)
-            n_w, n_u, n_kt, n_G = _fwd_h_operands(k, w, u, G, r_n, ck, cv, T, H, K, V)
-            n_m, n_g, n_a = _chunk_scalars(G, keep, i_n * 64, T, i_bh.to(tl.int64) * NT + i_n, H, DECAY_DROPPED)
-            b_vn = b_u.to(tl.float32) - tl.dot(b_w, b_h.to(b_w.dtype), input_precision=PREC)
-            _st(v_new, r, cv, T, V, H * V, b_vn)
-            b_h *= a
+    for i_t in tl.range(NT):
+        _st(h + ((i_b.to(tl.int64) * NT + i_t) * H + i_h) * K * V, ck, cv, K, V, V, b_h)
+        r = i_t * 64 + tl.arange(0, 64)
+        b_w = _ld(w, r, ck, T, K, H * K)
+        b_vn = _ld(u, r, cv, T, V, H * V).to(tl.float32) - tl.dot(b_w, b_h.to(b_w.dtype), input_precision=PREC)
+        _st(v_new, r, cv, T, V, H * V, b_vn)
+        m, g_last, a = _chunk_scalars(G, keep, i_t * 64, T, i_bh.to(tl.int64) * NT + i_t, H, DECAY_DROPPED)
+        b_h *= a
+        if m != 0:
+            b_G = _ld_vec(G, r, T, H)
             b_vd = b_vn * tl.where(r < T, m * tl.exp(g_last - b_G), 0.0)[:, None]
-            b_h += tl.dot(b_kt, b_vd.to(b_w.dtype), input_precision=PREC)
-            r, b_w, b_u, b_kt, b_G, m, g_last, a = r_n, n_w, n_u, n_kt, n_G, n_m, n_g, n_a
-    else:
-        for i_t in tl.range(NT):
-            _st(h + ((i_b.to(tl.int64) * NT + i_t) * H + i_h) * K * V, ck, cv, K, V, V, b_h)
-            r = i_t * 64 + tl.arange(0, 64)
-            b_w = _ld(w, r, ck, T, K, H * K)
-            b_vn = _ld(u, r, cv, T, V, H * V).to(tl.float32) - tl.dot(b_w, b_h.to(b_w.dtype), input_precision=PREC)
-            _st(v_new, r, cv, T, V, H * V, b_vn)
-            m, g_last, a = _chunk_scalars(G, keep, i_t * 64, T, i_bh.to(tl.int64) * NT + i_t, H, DECAY_DROPPED)
-            b_h *= a
-            if m != 0:
-                b_G = _ld_vec(G, r, T, H)
-                b_vd = b_vn * tl.where(r < T, m * tl.exp(g_last - b_G), 0.0)[:, None]
-                b_h += tl.dot(_ld_t(k, r, ck, T, K, H * K), b_vd.to(b_w.dtype), input_precision=PREC)
+            b_h += tl.dot(_ld_t(k, r, ck, T, K, H * K), b_vd.to(b_w.dtype), input_precision=PREC)
     if STORE_HT:
         _st(ht + i_bh.to(tl.int64) * K * V, ck, cv, K, V, V, b_h)
-
-
-@triton.jit
-def _fwd_h_operands(k, w, u, G, r, ck, cv, T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr):
-    """One chunk's w [64, BK], u [64, BV], k^T [BK, 64] and log decays G [64] (rows >= T zero)."""
-    return (_ld(w, r, ck, T, K, H * K), _ld(u, r, cv, T, V, H * V), _ld_t(k, r, ck, T, K, H * K),
-            _ld_vec(G, r, T, H))
 
 
 # The two sequential kernels come in two builds. NT >= 2 chunks: NT a constant (the builds the GPU tests verify).
@@ -98,19 +68,16 @@ def _fwd_h_operands(k, w, u, G, r, ck, cv, T, H: tl.constexpr, K: tl.constexpr, 
 @triton.jit
 def _fwd_h_kernel(k, w, u, G, keep, h, v_new, h0, ht, T, NT: tl.constexpr, H: tl.constexpr, K: tl.constexpr,
                   V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DECAY_DROPPED: tl.constexpr,
-                  USE_H0: tl.constexpr, STORE_HT: tl.constexpr, PREC: tl.constexpr, PREFETCH: tl.constexpr):
-    _fwd_h_program(k, w, u, G, keep, h, v_new, h0, ht, T, NT, H, K, V, BK, BV, DECAY_DROPPED, USE_H0, STORE_HT, PREC,
-                   PREFETCH)
+                  USE_H0: tl.constexpr, STORE_HT: tl.constexpr, PREC: tl.constexpr):
+    _fwd_h_program(k, w, u, G, keep, h, v_new, h0, ht, T, NT, H, K, V, BK, BV, DECAY_DROPPED, USE_H0, STORE_HT, PREC)
 
 
 @_tuned(['H', 'K', 'V', 'BV'], [(4, 1), (4, 2), (8, 2)])
 @triton.jit(do_not_specialize=["NT"])
 def _fwd_h_one_chunk_kernel(k, w, u, G, keep, h, v_new, h0, ht, T, NT, H: tl.constexpr, K: tl.constexpr,
                             V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DECAY_DROPPED: tl.constexpr,
-                            USE_H0: tl.constexpr, STORE_HT: tl.constexpr, PREC: tl.constexpr,
-                            PREFETCH: tl.constexpr):
-    _fwd_h_program(k, w, u, G, keep, h, v_new, h0, ht, T, NT, H, K, V, BK, BV, DECAY_DROPPED, USE_H0, STORE_HT, PREC,
-                   PREFETCH)
+                            USE_H0: tl.constexpr, STORE_HT: tl.constexpr, PREC: tl.constexpr):
+    _fwd_h_program(k, w, u, G, keep, h, v_new, h0, ht, T, NT, H, K, V, BK, BV, DECAY_DROPPED, USE_H0, STORE_HT, PREC)
 
 
 @_tuned(['H', 'K', 'V'], [(4, 2), (8, 2)])
@@ -165,8 +132,7 @@ def _bwd_dv_local_kernel(q, k, G, do, dv, scale, T, H: tl.constexpr, K: tl.const
 @triton.jit
 def _bwd_dh_program(q, k, w, G, keep, do, dv_local, dv2, dh, dh0, dht, scale, T, NT,
                     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                    DECAY_DROPPED: tl.constexpr, USE_DH0: tl.constexpr, USE_DHT: tl.constexpr, PREC: tl.constexpr,
-                    PREFETCH: tl.constexpr):
+                    DECAY_DROPPED: tl.constexpr, USE_DH0: tl.constexpr, USE_DHT: tl.constexpr, PREC: tl.constexpr):
     """Reverse recurrence of dS_{c+1} (stored per chunk) and the total dv'; grid (NV, B*H)."""
     i_v, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
@@ -178,74 +144,39 @@ def _bwd_dh_program(q, k, w, G, keep, do, dv_local, dv2, dh, dh0, dht, scale, T,
     dv_local += (bos * H + i_h) * V
     dv2 += (bos * H + i_h) * V
     G += bos * H + i_h
-    keep += i_bh.to(tl.int64) * NT
     ck, cv = tl.arange(0, BK), i_v * BV + tl.arange(0, BV)
     b_dh = tl.zeros([BK, BV], tl.float32)
     if USE_DHT:
         b_dh += _ld(dht + i_bh.to(tl.int64) * K * V, ck, cv, K, V, V).to(tl.float32)
-    if PREFETCH:
-        # as _fwd_h_program's: the next (earlier) chunk's operands load before this chunk's products
-        r = (NT - 1) * 64 + tl.arange(0, 64)
-        b_kd, b_dv, b_qt, b_do, b_wt, a = _bwd_dh_operands(q, k, w, G, keep, do, dv_local, NT - 1, r, ck, cv, scale,
-                                                           T, H, K, V, DECAY_DROPPED)
-        for i_s in tl.range(NT):
-            i_t = NT - 1 - i_s
-            _st(dh + ((i_b.to(tl.int64) * NT + i_t) * H + i_h) * K * V, ck, cv, K, V, V, b_dh)
-            i_n = tl.maximum(i_t - 1, 0)  # the first chunk loads itself again, unused
-            r_n = i_n * 64 + tl.arange(0, 64)
-            n_kd, n_dv, n_qt, n_do, n_wt, n_a = _bwd_dh_operands(q, k, w, G, keep, do, dv_local, i_n, r_n, ck, cv,
-                                                                 scale, T, H, K, V, DECAY_DROPPED)
-            b_dv += tl.dot(b_kd, b_dh.to(b_kd.dtype), input_precision=PREC)
-            _st(dv2, r, cv, T, V, H * V, b_dv)
-            b_dh = (a * b_dh + tl.dot(b_qt, b_do, input_precision=PREC)
-                    - tl.dot(b_wt, b_dv.to(b_kd.dtype), input_precision=PREC))
-            r, b_kd, b_dv, b_qt, b_do, b_wt, a = r_n, n_kd, n_dv, n_qt, n_do, n_wt, n_a
-    else:
-        for i_s in tl.range(NT):
-            i_t = NT - 1 - i_s
-            _st(dh + ((i_b.to(tl.int64) * NT + i_t) * H + i_h) * K * V, ck, cv, K, V, V, b_dh)
-            r = i_t * 64 + tl.arange(0, 64)
-            m, g_last, a = _chunk_scalars(G, keep, i_t * 64, T, i_t, H, DECAY_DROPPED)
-            b_G = _ld_vec(G, r, T, H)
-            b_dv = _ld(dv_local, r, cv, T, V, H * V)
-            b_k = _ld(k, r, ck, T, K, H * K)
-            if m != 0:
-                b_kd = b_k * tl.where(r < T, m * tl.exp(g_last - b_G), 0.0)[:, None]
-                b_dv += tl.dot(b_kd.to(b_k.dtype), b_dh.to(b_k.dtype), input_precision=PREC)
-            _st(dv2, r, cv, T, V, H * V, b_dv)
-            b_qt = _ld_t(q, r, ck, T, K, H * K)
-            b_qt = (b_qt * (scale * tl.exp(b_G))[None, :]).to(b_k.dtype)
-            b_do = _ld(do, r, cv, T, V, H * V)
-            b_wt = _ld_t(w, r, ck, T, K, H * K)
-            b_dh = (a * b_dh + tl.dot(b_qt, b_do.to(b_k.dtype), input_precision=PREC)
-                    - tl.dot(b_wt, b_dv.to(b_k.dtype), input_precision=PREC))
+    for i_s in tl.range(NT):
+        i_t = NT - 1 - i_s
+        _st(dh + ((i_b.to(tl.int64) * NT + i_t) * H + i_h) * K * V, ck, cv, K, V, V, b_dh)
+        r = i_t * 64 + tl.arange(0, 64)
+        m, g_last, a = _chunk_scalars(G, keep, i_t * 64, T, i_bh.to(tl.int64) * NT + i_t, H, DECAY_DROPPED)
+        b_G = _ld_vec(G, r, T, H)
+        b_dv = _ld(dv_local, r, cv, T, V, H * V)
+        b_k = _ld(k, r, ck, T, K, H * K)
+        if m != 0:
+            b_kd = b_k * tl.where(r < T, m * tl.exp(g_last - b_G), 0.0)[:, None]
+            b_dv += tl.dot(b_kd.to(b_k.dtype), b_dh.to(b_k.dtype), input_precision=PREC)
+        _st(dv2, r, cv, T, V, H * V, b_dv)
+        b_qt = _ld_t(q, r, ck, T, K, H * K)
+        b_qt = (b_qt * (scale * tl.exp(b_G))[None, :]).to(b_k.dtype)
+        b_do = _ld(do, r, cv, T, V, H * V)
+        b_wt = _ld_t(w, r, ck, T, K, H * K)
+        b_dh = (a * b_dh + tl.dot(b_qt, b_do.to(b_k.dtype), input_precision=PREC)
+                - tl.dot(b_wt, b_dv.to(b_k.dtype), input_precision=PREC))
     if USE_DH0:
         _st(dh0 + i_bh.to(tl.int64) * K * V, ck, cv, K, V, V, b_dh)
-
-
-@triton.jit
-def _bwd_dh_operands(q, k, w, G, keep, do, dv_local, i_t, r, ck, cv, scale, T, H: tl.constexpr,
-                     K: tl.constexpr, V: tl.constexpr, DECAY_DROPPED: tl.constexpr):
-    """What one chunk's step of _bwd_dh_program reads, none of it state-dependent: k m e^{G_L - G} [64, BK], the
-    local dv' [64, BV] (fp32), (scale e^G q)^T [BK, 64], do [64, BV], w^T [BK, 64] (all but dv' in k's dtype) and
-    the state multiplier a, for chunk i_t (rows r)."""
-    m, g_last, a = _chunk_scalars(G, keep, i_t * 64, T, i_t, H, DECAY_DROPPED)
-    b_G = _ld_vec(G, r, T, H)
-    b_k = _ld(k, r, ck, T, K, H * K)
-    b_kd = (b_k * tl.where(r < T, m * tl.exp(g_last - b_G), 0.0)[:, None]).to(b_k.dtype)
-    b_qt = (_ld_t(q, r, ck, T, K, H * K) * (scale * tl.exp(b_G))[None, :]).to(b_k.dtype)
-    b_do = _ld(do, r, cv, T, V, H * V).to(b_k.dtype)
-    return b_kd, _ld(dv_local, r, cv, T, V, H * V), b_qt, b_do, _ld_t(w, r, ck, T, K, H * K), a
 
 
 @_tuned(['H', 'K', 'V', 'BV'], [(4, 1), (4, 2), (8, 1)])
 @triton.jit
 def _bwd_dh_kernel(q, k, w, G, keep, do, dv_local, dv2, dh, dh0, dht, scale, T, NT: tl.constexpr,
                    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                   DECAY_DROPPED: tl.constexpr, USE_DH0: tl.constexpr, USE_DHT: tl.constexpr, PREC: tl.constexpr,
-                   PREFETCH: tl.constexpr):
+                   DECAY_DROPPED: tl.constexpr, USE_DH0: tl.constexpr, USE_DHT: tl.constexpr, PREC: tl.constexpr):
     _bwd_dh_program(q, k, w, G, keep, do, dv_local, dv2, dh, dh0, dht, scale, T, NT, H, K, V, BK, BV,
-                    DECAY_DROPPED, USE_DH0, USE_DHT, PREC, PREFETCH)
+                    DECAY_DROPPED, USE_DH0, USE_DHT, PREC)
 
 
 @_tuned(['H', 'K', 'V', 'BV'], [(4, 1), (4, 2), (8, 1)])
@@ -253,9 +184,9 @@ def _bwd_dh_kernel(q, k, w, G, keep, do, dv_local, dv2, dh, dh0, dht, scale, T, 
 def _bwd_dh_one_chunk_kernel(q, k, w, G, keep, do, dv_local, dv2, dh, dh0, dht, scale, T, NT,
                              H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                              DECAY_DROPPED: tl.constexpr, USE_DH0: tl.constexpr, USE_DHT: tl.constexpr,
-                             PREC: tl.constexpr, PREFETCH: tl.constexpr):
+                             PREC: tl.constexpr):
     _bwd_dh_program(q, k, w, G, keep, do, dv_local, dv2, dh, dh0, dht, scale, T, NT, H, K, V, BK, BV,
-                    DECAY_DROPPED, USE_DH0, USE_DHT, PREC, PREFETCH)
+                    DECAY_DROPPED, USE_DH0, USE_DHT, PREC)
 
 
 @_tuned(['H', 'K', 'V'], [(4, 2), (8, 1), (8, 2)])
@@ -360,7 +291,7 @@ def _fwd_h(k, w, u, G, keep, initial_state, output_final_state, decay_dropped):
     kernel[(triton.cdiv(V, BV), B * H)](
         k, w, u, G, keep, h, v_new, initial_state, ht, T, NT, H=H, K=K, V=V, BK=_state_bk(K, k.device), BV=BV,
         DECAY_DROPPED=decay_dropped, USE_H0=initial_state is not None, STORE_HT=output_final_state,
-        PREC=dot_precision(k, "gdn"), PREFETCH=PLAN.prefetch_fwd)
+        PREC=dot_precision(k, "gdn"))
     return h, v_new, ht
 
 
@@ -397,8 +328,7 @@ def chunk_selected_gdn_bwd(q, k, v, beta, keep, G, Ai, scale, initial_state, do,
     kernel = _bwd_dh_kernel if NT > 1 or interpreting() else _bwd_dh_one_chunk_kernel
     kernel[(triton.cdiv(V, BVs), B * H)](
         q, k, w, G, keep, do, dv_local, dv2, dh, dh0, dht, scale, T, NT, H=H, K=K, V=V, BK=_state_bk(K, q.device),
-        BV=BVs, DECAY_DROPPED=decay_dropped, USE_DH0=dh0 is not None, USE_DHT=dht is not None, PREC=prec,
-        PREFETCH=PLAN.prefetch_bwd)
+        BV=BVs, DECAY_DROPPED=decay_dropped, USE_DH0=dh0 is not None, USE_DHT=dht is not None, PREC=prec)
 
     NK = triton.cdiv(K, BK)
     dq, dk1 = torch.empty_like(q), torch.empty(B, T, H, K, device=q.device, dtype=torch.float32)

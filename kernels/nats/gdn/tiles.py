@@ -1,7 +1,5 @@
-"""Shared pieces of the chunk-selected GDN kernels: the chunk length, the tuning plan, autotuning, masked tile loads
-and stores, the per-chunk selection scalars, and the chunk-parallel kernels' tile widths."""
-from dataclasses import dataclass
-
+"""Shared pieces of the chunk-selected GDN kernels: the chunk length, autotuning, masked tile loads and stores, the
+per-chunk selection scalars, and the chunk-parallel kernels' tile widths."""
 import torch
 import triton
 import triton.language as tl
@@ -9,19 +7,6 @@ import triton.language as tl
 from megahybrid_kernels._triton import interpreting, next_pow2
 
 BT = 64
-
-
-@dataclass(frozen=True)
-class GdnPlan:
-    """Tuning choices of the sequential state kernels; nothing here changes what the op computes. The host functions
-    read `chunk.PLAN` at each call (a benchmark swaps it to compare).
-
-    prefetch_fwd, prefetch_bwd: _fwd_h_kernel / _bwd_dh_kernel load the next chunk's operands before this chunk's
-    products, and run both products of a dropped chunk with zero weights instead of branching on its keep flag.
-    """
-
-    prefetch_fwd: bool = True
-    prefetch_bwd: bool = True
 
 
 def _tuned(key, configs):
