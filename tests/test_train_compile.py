@@ -20,6 +20,15 @@ def test_compiled_training_matches_eager(pattern, data_dir, tmp_path, monkeypatc
     assert compiled_losses == pytest.approx(eager_losses, rel=COMPILE_LOSS_TOL)
 
 
+@pytest.mark.slow
+def test_compiled_full_recompute_matches_eager(data_dir, tmp_path):  # noqa: F811
+    """model.recompute=full under train.compile=true: the recomputing backward inside the compiled graph."""
+    eager, compiled = str(tmp_path / "eager"), str(tmp_path / "compiled")
+    run(_args(eager, data_dir, 3))
+    run(_args(compiled, data_dir, 3, "model.recompute=full", "train.compile=true"))
+    assert losses(compiled) == pytest.approx(losses(eager), rel=COMPILE_LOSS_TOL)
+
+
 class _Engine:
     def __init__(self, module):
         self.module, self.compiled = module, False

@@ -89,6 +89,9 @@ TWO_RANKS = {
     "zero1_tp2": {"parallel.tp": 2}, "zero2_tp2": {"parallel.tp": 2, "train.deepspeed_config": "zero2"},
     "zero3_tp2": {"parallel.tp": 2, "train.deepspeed_config": "zero3"},
     "zero2_tp2_sp": {"parallel.tp": 2, "parallel.sequence_parallel": True, "train.deepspeed_config": "zero2"},
+    # ZeRO-3 gathers each layer's parameters in hooks, which the recomputing backward runs again
+    "zero3_tp2_sp_full": {"parallel.tp": 2, "parallel.sequence_parallel": True, "train.deepspeed_config": "zero3",
+                          "model.recompute": "full"},
 }
 
 

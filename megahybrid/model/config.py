@@ -141,9 +141,9 @@ class ModelConfig:
     init_std: float = 0.02
     interdomain: InterdomainOptions = dataclasses.field(default_factory=InterdomainOptions)
     nats: NatsOptions = dataclasses.field(default_factory=NatsOptions)
-    # Activation recomputation (megatron-core's recompute_granularity): "none"; "selective" recomputes the
-    # `recompute_modules` of each layer (core_attn, mlp; default core_attn); "full" recomputes whole layers:
-    # every layer, or the first `recompute_num_layers` when given (megatron's block method).
+    # Activation recomputation: "none"; "selective" recomputes the `recompute_modules` of each layer (core_attn,
+    # mlp; default core_attn; megatron-core's recompute_granularity); "full" recomputes whole layers, every layer
+    # or the first `recompute_num_layers` when given (torch.utils.checkpoint per layer: gpt.recompute_layers).
     recompute: str = "none"
     recompute_modules: list | None = None
     recompute_num_layers: int | None = None
