@@ -20,10 +20,12 @@ run_tests() {  # NAME PATHS...: stops at 290 s with a summary (SIGINT), the log 
 }
 
 if [ "$mode" = pending ]; then  # every GPU test passed on the H200 (669598c; fla at 513bef4; the Interdomain kernels
-  # at ea500e9; session 16's at c7dda94: gpu-tests-2026-12-02.md row 21). Not yet run there (session 17): the GDN
-  # CP shard correction on TF32 (read_start_state), and the compiled prefill of bench_nats_layer --compile
-  MARK=gpu run_tests pending tests/test_context_parallel.py tests/kernels/test_s4d.py tests/test_nats_cp.py
-  timeout -k 5 420 python3 tools/bench_nats_layer.py --profile --prefill-only --compile 2>&1 | grep -v -i warn | tail -6
+  # at ea500e9; session 16's at c7dda94; session 17's at 6d2c00a: gpu-tests-2026-12-02.md row 22). Not yet run there
+  # (session 18): model.recompute=full as per-layer torch.utils.checkpoint inside the compiled graph, the 1.3B rows
+  # that megatron's full recomputation ran at 0.57x (bench_train-recompute.md), about 6 minutes
+  timeout -k 5 560 python3 tools/bench_train.py --rows 1.3b:full:4 1.3b:full:1:16384 --no-baseline \
+    --name bench_train-recompute-full --budget-s 520 --row-timeout-s 260 2>&1 | grep -v -i warn | tail -6
+  cp tools/results/bench_train-recompute-full.* "${OUT:-/tmp}/"
 fi
 if [ "$mode" = recall ]; then  # #20: MQAR recall of repro-small architectures, each as a narrow MQAR model (d 128,
   # lr 1e-3, an 83-value task vocabulary: what learned recall on the CPU, session 13), 3000 steps of 64 at 256 tokens,
