@@ -1,6 +1,7 @@
 """Build the decoder on megatron-core's GPTModel from a ModelConfig, a layout and a precision.
 
-Model code holds architecture only; parallel wrapping, checkpointing and compile are applied by the trainer.
+Model code holds architecture only; parallel wrapping, checkpointing and compile are applied by the trainer. The
+one exception is activation recomputation (model.recompute), a property of the built model for every caller.
 """
 import functools
 
