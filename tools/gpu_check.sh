@@ -2,7 +2,7 @@
 # The GPU checks a device session runs, each part fitting one call: every gpu-marked test (each kernel's backward
 # against the fp32 reference ON the GPU: Triton 3.6 on Hopper miscompiles some layouts silently), then the
 # Interdomain benchmark. Run from the repo root on the device machine with `.whl` carried:
-#   MEGAHYBRID_COMMIT=<hash> bash tools/gpu_check.sh [pending|kernels|stack|bench|paper|precision|recall|recall-diag|all]
+#   MEGAHYBRID_COMMIT=<hash> bash tools/gpu_check.sh [pending|mixers|kernels|stack|bench|paper|precision|recall|recall-diag|all]
 # pending: the GPU tests of what changed since the last H200 run; kernels: tests/kernels (about 4 minutes); stack:
 # the other gpu tests, which train, export and decode models in subprocesses (about 5 minutes); all: both then
 # bench, more than one call's 10 minutes. The tests run in 14 processes (pytest-xdist, in the device image): one
@@ -26,6 +26,16 @@ if [ "$mode" = pending ]; then  # every GPU test passed on the H200 (669598c; fl
   timeout -k 5 560 python3 tools/bench_train.py --rows 1.3b:full:4 1.3b:full:1:16384 --no-baseline \
     --name bench_train-recompute-full --budget-s 520 --row-timeout-s 260 2>&1 | grep -v -i warn | tail -6
   cp tools/results/bench_train-recompute-full.* "${OUT:-/tmp}/"
+fi
+if [ "$mode" = mixers ]; then  # #20: every mixer at 4K and 16K through `megahybrid train`'s step (--suite mixers,
+  # about 20 minutes: more than one call). Each call keeps the ok rows of the last one: copy $OUT's
+  # bench_train-mixers.json to tools/results before the next call (an untracked file travels with the tree)
+  prev=tools/results/bench_train-mixers.json cont=()
+  [ -f "$prev" ] && cont=(--continue-from "$prev")
+  timeout -k 5 575 python3 tools/bench_train.py --suite mixers --no-baseline --name bench_train-mixers \
+    --budget-s 550 --row-timeout-s 300 "${cont[@]}" 2>&1 |
+    grep -v -i warn | tail -18
+  cp tools/results/bench_train-mixers.* "${OUT:-/tmp}/"
 fi
 if [ "$mode" = recall ]; then  # #20: MQAR recall of repro-small architectures, each as a narrow MQAR model (d 128,
   # lr 1e-3, an 83-value task vocabulary: what learned recall on the CPU, session 13), 3000 steps of 64 at 256 tokens,
