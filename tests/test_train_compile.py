@@ -29,6 +29,16 @@ def test_compiled_full_recompute_matches_eager(data_dir, tmp_path):  # noqa: F81
     assert losses(compiled) == pytest.approx(losses(eager), rel=COMPILE_LOSS_TOL)
 
 
+@pytest.mark.slow
+def test_compiled_by_layers_matches_eager(data_dir, tmp_path, monkeypatch):  # noqa: F811
+    """train.compile_scope=layers: each decoder layer (N's mixer kept eager inside it) and the loss compiled apart."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    eager, compiled = str(tmp_path / "eager"), str(tmp_path / "compiled")
+    run(_args(eager, data_dir, 3, "model.pattern=SN"))
+    run(_args(compiled, data_dir, 3, "model.pattern=SN", "train.compile=true", "train.compile_scope=layers"))
+    assert losses(compiled) == pytest.approx(losses(eager), rel=COMPILE_LOSS_TOL)
+
+
 class _Engine:
     def __init__(self, module):
         self.module, self.compiled = module, False
@@ -120,3 +130,38 @@ def test_compiled_layers_have_no_graph_breaks():
     breaks = run_on_ranks(_graph_breaks_in_layers, 1, "SIDNG", env={"TRITON_INTERPRET": "1"})[0]
     in_layers = [(reason, stack) for reason, stack in breaks if any("transformer_layer" in f for f in stack)]
     assert in_layers == [], in_layers
+
+
+def _ops_captured(rank, world, num_layers, scope):
+    """Ops dynamo captured into compiled graphs over one forward and backward of a tiny `S` model."""
+    import torch
+
+    from megahybrid.distributed import init_distributed, shutdown
+    from megahybrid.model.config import preset
+    from megahybrid.model.gpt import build_model
+    from megahybrid.parallel import ParallelLayout
+    from megahybrid.train.trainer import compile_model
+
+    cfg = preset("tiny", pattern="S", num_layers=num_layers)
+    engine = _Engine(build_model(cfg, init_distributed(ParallelLayout()).layout))
+    compile_model(engine, cfg, scope)
+    if engine.compiled:  # the stub engine stands in for DeepSpeed's, whose compile() is the module's
+        engine.module.compile()
+    torch._dynamo.utils.counters.clear()
+    tokens = torch.randint(0, cfg.vocab_size, (2, 64))
+    positions = torch.arange(64)[None].expand(2, -1)
+    engine.module(tokens, positions, None, labels=tokens).float().mean().backward()
+    captured = torch._dynamo.utils.counters["stats"]["calls_captured"]
+    shutdown()
+    return captured
+
+
+def test_compile_by_layers_traces_one_layer_whatever_the_depth():
+    """train.compile_scope=layers: layers of one kind share one compiled graph, so what dynamo traces (and inductor
+    compiles) does not grow with depth, while the whole-model graph does."""
+    from tests.dist import run_on_ranks
+
+    by_layers = [run_on_ranks(_ops_captured, 1, n, "layers")[0] for n in (2, 4)]
+    whole = [run_on_ranks(_ops_captured, 1, n, "model")[0] for n in (2, 4)]
+    assert by_layers[0] == by_layers[1] > 0, by_layers
+    assert whole[1] > whole[0] > 0, whole

@@ -216,6 +216,9 @@ def test_version_extensions_cache_and_compile_default(capsys, monkeypatch):
     assert not compiles(["train.compile=off"], True)
     with pytest.raises(ConfigError, match="train.compile='fast': choose auto"):
         compiles(["train.compile=fast"], True)
+    assert compiles(["train.compile_scope=layers"], True)
+    with pytest.raises(ConfigError, match="train.compile_scope='blocks': choose model or layers"):
+        compiles(["train.compile_scope=blocks"], True)
     zero3 = ["train.deepspeed_config=zero3"]
     assert not compiles(zero3, True)
     assert compiles([*zero3, "train.compile=true"], False)

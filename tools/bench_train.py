@@ -21,10 +21,10 @@ uses the bf16 matmul rate measured at the end of the run.
     python tools/bench_train.py --suite mixers --no-baseline    # every mixer at 4K and 16K (MIXER_SUITE)
     python tools/bench_train.py --suite mixers --no-baseline --continue-from tools/results/bench_train.json
     python tools/bench_train.py --compile false --name bench_train-eager    # the eager table, its own file
-Rows are PRESET[@PATTERN][+KEY=VALUE...]:RECOMPUTE:MICRO[:SEQ] with KEY=VALUE model-section overrides (an option
-compared on and off in one table), RECOMPUTE one of none, selective, selective_mlp, full and SEQ the row's context
-(default --seq); every (preset, SEQ) also gets a baseline row at the micro-batch of its
-first row. Results: tools/results/NAME.{json,md} (--name, default bench_train; date, GPU and commit in the meta).
+Rows are PRESET[@PATTERN][+KEY=VALUE...]:RECOMPUTE:MICRO[:SEQ] with KEY=VALUE model-section overrides, or
+train-section ones as train.KEY=VALUE (an option compared on and off in one table), RECOMPUTE one of none,
+selective, selective_mlp, full and SEQ the row's context (default --seq); every (preset, SEQ) also gets a baseline
+row at the micro-batch of its first row. Results: tools/results/NAME.{json,md} (--name, default bench_train; date, GPU and commit in the meta).
 """
 import argparse
 import json
@@ -86,7 +86,7 @@ def megahybrid_step(row: dict, args, run_dir: str):
         "batch": {"global_batch_size": args.tokens // row["seq"], "micro_batch_size": row["micro"]},
         "optimizer": {"warmup_steps": 1},
         "train": {"steps": _total_steps(args), "compile": {"auto": "auto", "true": True, "all": True, "false": False}[
-            args.compile]},
+            args.compile], **_train_fields(row["preset"])},
         "logging": {"tensorboard": False},
         "eval": {"iters": 0},
     })
@@ -105,14 +105,27 @@ def _total_steps(args) -> int:
 
 
 def _preset_fields(spec: str) -> dict:
-    """`NAME[@PATTERN][+KEY=VALUE...]` as model-section fields (KEY relative to the model section)."""
+    """`NAME[@PATTERN][+KEY=VALUE...]` as model-section fields (KEY relative to the model section; `train.` keys
+    go to the train section, _train_fields)."""
     from megahybrid.train.config import apply_override
 
     head, *overrides = spec.split("+")
     name, _, pattern = head.partition("@")
     fields = {"preset": name, **({"pattern": pattern} if pattern else {})}
     for item in overrides:
-        apply_override(fields, item)
+        if not item.startswith("train."):
+            apply_override(fields, item)
+    return fields
+
+
+def _train_fields(spec: str) -> dict:
+    """The `+train.KEY=VALUE` overrides of a row spec as train-section fields (`+train.compile_scope=layers`)."""
+    from megahybrid.train.config import apply_override
+
+    fields = {}
+    for item in spec.split("+")[1:]:
+        if item.startswith("train."):
+            apply_override(fields, item.removeprefix("train."))
     return fields
 
 

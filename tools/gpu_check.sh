@@ -2,7 +2,7 @@
 # The GPU checks a device session runs, each part fitting one call: every gpu-marked test (each kernel's backward
 # against the fp32 reference ON the GPU: Triton 3.6 on Hopper miscompiles some layouts silently), then the
 # Interdomain benchmark. Run from the repo root on the device machine with `.whl` carried:
-#   MEGAHYBRID_COMMIT=<hash> bash tools/gpu_check.sh [pending|mixers|kernels|stack|bench|paper|precision|recall|recall-diag|all]
+#   MEGAHYBRID_COMMIT=<hash> bash tools/gpu_check.sh [pending|scope|mixers|kernels|stack|bench|paper|precision|recall|recall-diag|all]
 # pending: the GPU tests of what changed since the last H200 run; kernels: tests/kernels (about 4 minutes); stack:
 # the other gpu tests, which train, export and decode models in subprocesses (about 5 minutes); all: both then
 # bench, more than one call's 10 minutes. The tests run in 14 processes (pytest-xdist, in the device image): one
@@ -27,13 +27,22 @@ if [ "$mode" = pending ]; then  # every GPU test passed on the H200 (669598c; fl
     --name bench_train-recompute-full --budget-s 520 --row-timeout-s 260 2>&1 | grep -v -i warn | tail -6
   cp tools/results/bench_train-recompute-full.* "${OUT:-/tmp}/"
 fi
+if [ "$mode" = scope ]; then  # #15/#20: train.compile_scope=layers against the default whole-model compile, warm-up
+  # and tok/s (session 19: natsl-340m's whole-model warm-up took 247 s, N's over 260 s; bench_train-mixers.md has
+  # the whole-model rows at ef94593)
+  timeout -k 5 575 python3 tools/bench_train.py --no-baseline --name bench_train-compile-scope --budget-s 550 \
+    --row-timeout-s 300 --rows natsl-340m+train.compile_scope=layers:none:4 125m@S+train.compile_scope=layers:none:8 \
+    natsl-340m@N+train.compile_scope=layers:none:4 125m@I+train.compile_scope=layers:none:8 2>&1 |
+    grep -v -i warn | tail -8
+  cp tools/results/bench_train-compile-scope.* "${OUT:-/tmp}/"
+fi
 if [ "$mode" = mixers ]; then  # #20: every mixer at 4K and 16K through `megahybrid train`'s step (--suite mixers,
   # about 20 minutes: more than one call). Each call keeps the ok rows of the last one: copy $OUT's
   # bench_train-mixers.json to tools/results before the next call (an untracked file travels with the tree)
   prev=tools/results/bench_train-mixers.json cont=()
   [ -f "$prev" ] && cont=(--continue-from "$prev")
   timeout -k 5 575 python3 tools/bench_train.py --suite mixers --no-baseline --name bench_train-mixers \
-    --budget-s 550 --row-timeout-s 300 "${cont[@]}" 2>&1 |
+    --budget-s 550 --row-timeout-s 420 "${cont[@]}" 2>&1 |
     grep -v -i warn | tail -18
   cp tools/results/bench_train-mixers.* "${OUT:-/tmp}/"
 fi

@@ -92,6 +92,10 @@ class TrainSection:
     # not under ZeRO-3 there; true / false force it. The mixers measured slower compiled (their records'
     # gpu_compile) stay eager inside the compiled model (Trainer.compile_model).
     compile: bool | str = "auto"
+    # What one torch.compile region covers: model = the whole model in one graph (fusion across layers); layers =
+    # each decoder layer and the output layer with the loss as regions of their own (torchtitan's per-block
+    # compile), layers of one kind sharing one compiled graph, so compile time stops growing with depth.
+    compile_scope: str = "model"
 
 
 @dataclass
@@ -386,10 +390,15 @@ def resolved_precision(cfg: RunConfig, has_gpu: bool) -> str:
     return value
 
 
+COMPILE_SCOPES = ("model", "layers")
+
+
 def resolved_compile(cfg: RunConfig, has_gpu: bool, ds: dict) -> bool:
     """auto compiles on a GPU (except under ZeRO-3, below), true wherever asked; either way the mixers measured
     slower compiled stay eager inside the compiled model (Trainer.compile_model, issue #15)."""
     value = cfg.train.compile
+    if cfg.train.compile_scope not in COMPILE_SCOPES:
+        raise ConfigError(f"train.compile_scope={cfg.train.compile_scope!r}: choose {' or '.join(COMPILE_SCOPES)}")
     if value not in (True, False, "auto"):
         raise ConfigError(f"train.compile={value!r}: choose auto (on with a GPU, off on CPU), true or false")
     # Measured on the H200 image (torch 2.11): under ZeRO-3's parameter hooks dynamo fails an internal assertion

@@ -73,15 +73,25 @@ def set_deterministic(enabled: bool) -> None:
     torch.backends.cudnn.benchmark = False
 
 
-def compile_model(engine, model_cfg) -> None:
-    """torch.compile through the DeepSpeed engine, the layers of the mixers measured slower compiled on a GPU kept
-    eager (on CPU too, so CPU tests run what a GPU runs): a graph break at each of their mixer modules; inductor
-    fuses the norms, MLPs and residuals around them. By layer, not by module class: I and D share one."""
+def compile_model(engine, model_cfg, scope: str = "model") -> None:
+    """torch.compile, the layers of the mixers measured slower compiled on a GPU kept eager (on CPU too, so CPU tests
+    run what a GPU runs): a graph break at each of their mixer modules; inductor fuses the norms, MLPs and residuals
+    around them. By layer, not by module class: I and D share one.
+
+    scope `model` compiles the whole model through the DeepSpeed engine; `layers` compiles each decoder layer and
+    the output layer with the loss on their own. Layers of one kind then share one compiled graph, so compile time
+    does not grow with depth: on CPU (tiny model, cold caches) 24 layers took 99.6 s whole against 26.9 s by layer,
+    4 layers 49.5 s against 27.1 s. What it gives up is fusion across layer boundaries."""
     eager = eager_mixers(model_cfg.pattern)
     for layer, char in zip(engine.module.decoder.layers, model_cfg.layer_pattern):
         if char in eager:
             layer.self_attention.forward = torch.compiler.disable(layer.self_attention.forward)
-    engine.compile()
+    if scope == "model":
+        engine.compile()
+        return
+    for layer in engine.module.decoder.layers:
+        layer.compile()
+    engine.module._postprocess = torch.compile(engine.module._postprocess)
 
 
 class Trainer:
@@ -100,7 +110,7 @@ class Trainer:
             self.model, self.cfg, self.groups, plan.ds_base, plan.precision)
         self.compiled = resolved_compile(self.cfg, torch.cuda.is_available(), plan.ds_base)
         if self.compiled:
-            compile_model(self.engine, plan.model)
+            compile_model(self.engine, plan.model, self.cfg.train.compile_scope)
         self.gas = self.engine.gradient_accumulation_steps()
         self.flops_per_token = flops_per_token(plan.model)
         self.num_params = count_parameters(plan.model)
@@ -296,7 +306,11 @@ class Trainer:
         eager = eager_mixers(self.plan.model.pattern) if self.compiled else ""
         if self.cfg.train.compile == "auto" and not self.compiled and torch.cuda.is_available():
             return "False(auto: not under ZeRO-3 on a GPU)"
-        return f"True(eager mixers: {eager})" if eager else str(self.compiled)
+        if not self.compiled:
+            return "False"
+        notes = [f"by {scope}" for scope in [self.cfg.train.compile_scope] if scope != "model"]
+        notes += [f"eager mixers: {eager}"] if eager else []
+        return f"True({'; '.join(notes)})" if notes else "True"
 
     def print_start(self) -> None:
         if not self.is_logger:
