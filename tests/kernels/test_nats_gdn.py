@@ -317,3 +317,22 @@ def test_gpu_long_sequence_k64(dtype):
 def test_gpu_strong_decays(K, V, dtype):
     """The layers' gates (A up to 16): chunk decays far below e^-88, where e^{G_L} * e^{-G_t} gave NaN."""
     run_grid_case(K, V, dtype, [300, 4096], B=1, H=2, g_scale=16.0)
+
+
+def test_state_kernel_probe_variants_match_the_stock_kernel():
+    """tools/probe_gdn_state.py's variants of the forward state kernel (issue #14) equal the stock kernel in the
+    interpreter, so that on the GPU a difference is the compiler's; and its check sees the keep mask (every chunk
+    kept gives other states)."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[2] / "tools" / "probe_gdn_state.py"
+    spec = importlib.util.spec_from_file_location("probe_gdn_state", path)
+    probe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe)
+    rows = [probe.child({"shape": "tiny", "dtype": "fp32", "variant": name, "warps": 4, "stages": 1})
+            for name in ["stock", *probe.VARIANTS]]
+    assert all(row["ok"] for row in rows), rows
+    inputs = probe.make_inputs("tiny", torch.float32, "cpu")
+    k, w, u, G, keep = inputs
+    unmasked = probe.run_variant((k, w, u, G, torch.ones_like(keep)), {"NO_BRANCH": True}, 4, 1)()
+    assert probe.rel_rms(unmasked[2], probe.run_stock(inputs)()[2]) > 0.1
