@@ -16,6 +16,7 @@ state passing is exact is tested with real collectives in tests/test_context_par
 that its loss is finite.
 
     python tools/bench_cp.py                                  # GPU: 350m-interdomain and natsl-340m, 64K
+    python tools/bench_cp.py --compile --cps 2                # compiled layer by layer, as training on a GPU
     python tools/bench_cp.py --models tiny@I tiny@GN --context 512 --cps 2 4 --results-dir /tmp/r   # CPU smoke
 """
 import argparse
@@ -121,6 +122,9 @@ def rows_for(name: str, args, precision: str, profiles: dict | None = None) -> l
         S = args.context // cp
         cfg = model_config(name, S * cp)  # the records' byte counts are per sequence of the whole context
         model = build_model(model_config(name, S), ParallelLayout(), precision)
+        if args.compile:  # layer by layer (train.compile_scope=layers: a warm-up independent of depth); the
+            for layer in model.decoder.layers:  # stand-in CP group's pass compiles apart from the no-CP one
+                layer.compile()
         tokens = torch.randint(0, cfg.vocab_size, (1, S), device=next(model.parameters()).device)
         step = lambda: fwd_bwd(model, tokens)  # noqa: E731
         profile = profiles is not None and cp == args.cps[0]
@@ -154,6 +158,9 @@ def main(argv=None) -> int:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--results-dir", default=None, help="default tools/results")
+    parser.add_argument("--compile", action="store_true",
+                        help="torch.compile each decoder layer, as `megahybrid train train.compile_scope=layers` "
+                             "does on a GPU (the warm-up steps compile)")
     parser.add_argument("--profile", action="store_true",
                         help="kernel times of the first cp's rank and of its shard without CP, into the results")
     args = parser.parse_args(argv)
@@ -162,7 +169,8 @@ def main(argv=None) -> int:
     profiles = {} if args.profile else None
     rows = [row for name in args.models for row in rows_for(name, args, "bf16" if gpu else "fp32", profiles)]
     print(format_table(rows))
-    meta = {"context": args.context, "link_gbs_assumed": args.link_gbs, "rank_timed": "cp - 1 (the last)"}
+    meta = {"context": args.context, "link_gbs_assumed": args.link_gbs, "rank_timed": "cp - 1 (the last)",
+            "compiled": args.compile}
     print("saved", save_results("bench_cp", rows, {**meta, **(profiles or {})}, args.results_dir))
     return 0 if all(r["loss"] == "finite" for r in rows) else 1
 

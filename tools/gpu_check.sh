@@ -2,7 +2,7 @@
 # The GPU checks a device session runs, each part fitting one call: every gpu-marked test (each kernel's backward
 # against the fp32 reference ON the GPU: Triton 3.6 on Hopper miscompiles some layouts silently), then the
 # Interdomain benchmark. Run from the repo root on the device machine with `.whl` carried:
-#   MEGAHYBRID_COMMIT=<hash> bash tools/gpu_check.sh [pending|scope|mixers|gdn-probe|kernels|stack|bench|paper|precision|recall|recall-diag|all]
+#   MEGAHYBRID_COMMIT=<hash> bash tools/gpu_check.sh [pending|scope|mixers|gdn-probe|cp|kernels|stack|bench|paper|precision|recall|recall-diag|all]
 # pending: the GPU tests of what changed since the last H200 run; kernels: tests/kernels (about 4 minutes); stack:
 # the other gpu tests, which train, export and decode models in subprocesses (about 5 minutes); all: both then
 # bench, more than one call's 10 minutes. The tests run in 14 processes (pytest-xdist, in the device image): one
@@ -40,6 +40,15 @@ if [ "$mode" = gdn-probe ]; then  # #14: one change at a time to the GDN forward
   # process, checked against the stock kernel and timed at the 128K prefill and training shapes (about 6 minutes)
   timeout -k 5 560 python3 tools/probe_gdn_state.py --row-timeout-s 90 2>&1 | tail -30
   cp tools/results/gdn-state-probe.* "${OUT:-/tmp}/" 2>/dev/null
+fi
+if [ "$mode" = cp ]; then  # #18: one CP rank's compute at cp = 2 for the I and G models (64K context), eager and
+  # compiled (training compiles; c7dda94's table was eager), after session 19's blocked shard summary
+  for c in "" --compile; do
+    timeout -k 5 270 python3 tools/bench_cp.py --models 350m-interdomain natsl-340m@G --cps 2 $c 2>&1 | grep -v -i warn |
+      tail -4
+    cp tools/results/bench_cp.md "${OUT:-/tmp}/bench_cp${c:+-compiled}.md"
+    cp tools/results/bench_cp.json "${OUT:-/tmp}/bench_cp${c:+-compiled}.json"
+  done
 fi
 if [ "$mode" = mixers ]; then  # #20: every mixer at 4K and 16K through `megahybrid train`'s step (--suite mixers,
   # about 20 minutes: more than one call). Each call keeps the ok rows of the last one: copy $OUT's

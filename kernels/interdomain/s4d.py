@@ -74,11 +74,15 @@ def s4d_contraction_step(x, decay, b, c, state):
 
 
 def _powers(decay: torch.Tensor, n: int, reverse: bool = False) -> torch.Tensor:
-    """lambda^tau for tau = 0..n-1 (reverse: n-1..0) as complex64 [n, H, M], formed in float64: at tau in the
-    thousands a float32 tau * arg(lambda) would already be off by ~1e-3 rad."""
-    log_lam = torch.complex(decay[..., 0].double(), decay[..., 1].double())
+    """lambda^tau for tau = 0..n-1 (reverse: n-1..0) as complex64 [n, H, M]."""
     tau = torch.arange(n, device=decay.device, dtype=torch.float64)
-    tau = n - 1 - tau if reverse else tau
+    return _lambda_to(decay, n - 1 - tau if reverse else tau)
+
+
+def _lambda_to(decay: torch.Tensor, tau: torch.Tensor) -> torch.Tensor:
+    """lambda^tau for float64 exponents tau [n] as complex64 [n, H, M], formed in float64: at tau in the thousands
+    a float32 tau * arg(lambda) would already be off by ~1e-3 rad."""
+    log_lam = torch.complex(decay[..., 0].double(), decay[..., 1].double())
     return torch.exp(tau[:, None, None] * log_lam).to(torch.complex64)
 
 
@@ -111,14 +115,47 @@ def _stack(z: torch.Tensor, dim: int) -> torch.Tensor:
 
 def zero_start_state(x, decay, b, powers=None) -> torch.Tensor:
     """The state after x [B, T, H, D] from a zero start, s = sum_s b lambda^(T-1-s) x_s, as complex [B, H, M, D]:
-    one real product per head (also a CP shard's summary). powers: lambda^tau for tau < T if already formed."""
+    one real product per head (also a CP shard's summary). powers: lambda^tau for tau < T if already formed.
+    Without them, T a multiple of SUMMARY_BLOCK above one block takes the blocked form (_blocked_zero_start_state)."""
     T = x.shape[1]
+    if powers is None and T % SUMMARY_BLOCK == 0 and T > SUMMARY_BLOCK:
+        return _blocked_zero_start_state(x, decay, b)
     reversed_powers = _powers(decay, T, reverse=True) if powers is None else powers[:T].flip(0)
     weights = _stack(reversed_powers * _complex(b), -1)  # b lambda^(T-1-s) as (re, im) [T, H, 2M]
+    return _pairs_complex(_weighted_sum(weights, x))
+
+
+SUMMARY_BLOCK = 64
+
+
+def _blocked_zero_start_state(x, decay, b) -> torch.Tensor:
+    """zero_start_state in two levels: for s = C c + j (C = SUMMARY_BLOCK), lambda^(T-1-s) =
+    lambda^(C (n-1-c)) lambda^(C-1-j). The blocks are summed with the [n, H, M] table of block powers (one real
+    product per head, the offsets j kept apart), then the offsets with b lambda^(C-1-j) [C, H, M]. No [T, H, M]
+    tensor is formed: the direct form's powers (a float64 complex exp over T x H x M) and their backward are the
+    exp, conj and complex-reduction kernels, 19 ms, of a 350M `I` CP rank's step at a 32K shard on the H200 that
+    the same shard without CP does not run (tools/results/bench_cp.md, eager, c7dda94)."""
+    B, T, H, D = x.shape
+    C, n = SUMMARY_BLOCK, T // SUMMARY_BLOCK
+    blocks = _lambda_to(decay, C * torch.arange(n - 1, -1, -1, dtype=torch.float64, device=decay.device))
+    by_offset = x.reshape(B, n, C, H, D).transpose(1, 2).reshape(B * C, n, H, D)  # offsets j as batch rows
+    y = _weighted_sum(_stack(blocks, -1), by_offset).reshape(B, C, H, 2, -1, D)  # [B, C, H, (re, im), M, D]
+    offsets = _powers(decay, C, reverse=True) * _complex(b)  # b lambda^(C-1-j) [C, H, M]
+    re, im = offsets.real, offsets.imag
+    sum_j = lambda w, z: torch.einsum("jhm,bjhmd->bhmd", w, z)  # noqa: E731
+    y_re, y_im = y[:, :, :, 0], y[:, :, :, 1]
+    return torch.complex(sum_j(re, y_re) - sum_j(im, y_im), sum_j(re, y_im) + sum_j(im, y_re))
+
+
+def _weighted_sum(w, x) -> torch.Tensor:
+    """sum_t w[t, h, k] x[b, t, h, d] -> [B, H, K, D] fp32 (on the TF32 tensor cores for 16-bit x on a GPU)."""
     if x.is_cuda and x.dtype != torch.float32:
-        s = _Tf32Sum.apply(weights, x)
-    else:
-        s = torch.einsum("shk,bshd->bhkd", weights, x.float())  # [B, H, 2M, D]: (re, im) of the sum
+        return _Tf32Sum.apply(w, x)
+    return torch.einsum("thk,bthd->bhkd", w, x.float())
+
+
+def _pairs_complex(s: torch.Tensor) -> torch.Tensor:
+    """[B, H, 2M, D] with (re, im) halves along dim 2 -> complex [B, H, M, D]."""
     M = s.shape[2] // 2
     return torch.complex(s[:, :, :M], s[:, :, M:])
 

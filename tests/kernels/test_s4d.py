@@ -69,6 +69,41 @@ def test_bad_shapes_name_the_fix():
         s4d_contraction(x, decay, b, c[:, :, :2])
 
 
+def _float64_summary(x, decay, b):
+    """sum_s b lambda^(T-1-s) x_s in complex128 (every power in float64): the reference of the summary forms."""
+    T = x.shape[1]
+    tau = torch.arange(T - 1, -1, -1, dtype=torch.float64)
+    weights = torch.exp(tau[:, None, None] * torch.complex(decay[..., 0], decay[..., 1]))
+    return torch.einsum("thm,bthd->bhmd", weights * torch.complex(b[..., 0], b[..., 1]), x.to(torch.complex128))
+
+
+SUMMARY_TOL = 2e-5  # relative RMS against float64; both forms measured <= 8.3e-6 (complex64 powers, fp32 sums)
+
+
+@pytest.mark.parametrize("T", [128, 320, 4096])
+@pytest.mark.parametrize("form", ["blocked", "direct"])
+def test_summary_forms_match_float64_with_grads(T, form, monkeypatch):
+    """zero_start_state's blocked form (T a multiple of 64 above one block: a CP shard's summary) and its direct
+    form (every [T, H, M] power) against the float64 sum, the gradients for x, decay and b included; the blocked
+    form also against the token loop's final state."""
+    from megahybrid_kernels.interdomain import s4d
+
+    x, decay, b, c, _ = _inputs(T=T, M=8, D=16, state=False)
+    monkeypatch.setattr(s4d, "SUMMARY_BLOCK", 64 if form == "blocked" else T + 1)
+    outs = []
+    for fn, dtype in ((s4d.zero_start_state, torch.float32), (_float64_summary, torch.float64)):
+        leaves = [t.detach().clone().to(dtype).requires_grad_() for t in (x, decay, b)]
+        s = torch.view_as_real(fn(*leaves)).double()
+        outs.append((s, torch.autograd.grad((s * s.detach().cos()).sum(), leaves)))
+    (s, grads), (ref, ref_grads) = outs
+    assert_close(s, ref, SUMMARY_TOL, "summary")
+    for name, a, r in zip(("dx", "ddecay", "db"), grads, ref_grads):
+        assert_close(a.double(), r, SUMMARY_TOL, name)
+    if T <= 320:
+        _, final = s4d_contraction_naive(x, decay, b, c, output_final_state=True)
+        assert_close(s.float().transpose(-1, -2), final, TOL, "state")  # both [B, H, M, (re, im), D]
+
+
 def _summary_case(device, dtype, T=300, B=2, H=3, M=8, D=16, seed=4):
     """zero_start_state on 16-bit x and its gradients (x, decay, b), and the same with x in float64 (plain fp32
     products: the reference)."""

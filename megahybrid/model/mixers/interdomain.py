@@ -34,13 +34,13 @@ computes the discretization, C and the ops' state in fp32.
 Context parallelism (parallel.cp > 1, contiguous shards of S tokens, megahybrid.model.cp): each rank (1) takes
 the previous rank's last conv_size - 1 inputs of every short conv as its conv tail (one all-gather of the shard
 tails, `previous_shard_tail`), (2) forms its shard's zero-start final state in closed form, h = sum_t b
-lambda^(S-1-t) x_t (`shard_summary`: one einsum, exact, instead of a zero-start run of the core), (3) gets its
-true initial state from every rank's (h_r, lambda^S) by `prefix_states_diagonal` (complex per head, mode and
-channel; lambda^S is data-independent), and (4) runs the core once from that state for its outputs. We rerun
-rather than correct the output: the query readout is bilinear in (U, Gamma), so a correction from the initial
-state is not a sum of two runs; with the closed-form summary the core runs once per shard anyway. RoPE positions
-are global (offset cp_rank * S). Gradients flow back to earlier ranks through both all-gathers. Decoding (an
-inference context) never uses CP.
+lambda^(S-1-t) x_t (`shard_summary`: two products over 64-token blocks, exact, instead of a zero-start run of
+the core), (3) gets its true initial state from every rank's (h_r, lambda^S) by `prefix_states_diagonal`
+(complex per head, mode and channel; lambda^S is data-independent), and (4) runs the core once from that state
+for its outputs. We rerun rather than correct the output: the query readout is bilinear in (U, Gamma), so a
+correction from the initial state is not a sum of two runs; with the closed-form summary the core runs once per
+shard anyway. RoPE positions are global (offset cp_rank * S). Gradients flow back to earlier ranks through both
+all-gathers. Decoding (an inference context) never uses CP.
 
 What the module takes from TransformerLayer and ignores: attention_mask (the mixer is causal by construction),
 rotary_pos_emb / rotary_pos_cos / rotary_pos_sin (it applies its own RoPE over R, which need not be the softmax
@@ -349,8 +349,8 @@ class ContractionReadout(torch.nn.Module):
 
 def shard_summary(inputs: torch.Tensor, decay: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """The zero-start final state of a shard in closed form, h[m, d] = sum_t b[m] lambda[m]^(S-1-t) x_t[d]:
-    inputs [B, S, H, D] -> complex [B, H, M, D] (one product per head; the core's chunked pass would cost a full
-    run)."""
+    inputs [B, S, H, D] -> complex [B, H, M, D] (real products per head over 64-token blocks, zero_start_state's
+    blocked form; the core's chunked pass would cost a full run)."""
     from megahybrid_kernels.interdomain.s4d import zero_start_state
 
     return zero_start_state(inputs, decay, b)
