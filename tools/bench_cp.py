@@ -123,8 +123,9 @@ def rows_for(name: str, args, precision: str, profiles: dict | None = None) -> l
         cfg = model_config(name, S * cp)  # the records' byte counts are per sequence of the whole context
         model = build_model(model_config(name, S), ParallelLayout(), precision)
         if args.compile:  # layer by layer (train.compile_scope=layers: a warm-up independent of depth); the
-            for layer in model.decoder.layers:  # stand-in CP group's pass compiles apart from the no-CP one
-                layer.compile()
+            from megahybrid.train.trainer import compile_by_layer  # stand-in CP pass compiles apart from no-CP
+
+            compile_by_layer(model)
         tokens = torch.randint(0, cfg.vocab_size, (1, S), device=next(model.parameters()).device)
         step = lambda: fwd_bwd(model, tokens)  # noqa: E731
         profile = profiles is not None and cp == args.cps[0]
@@ -159,8 +160,8 @@ def main(argv=None) -> int:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--results-dir", default=None, help="default tools/results")
     parser.add_argument("--compile", action="store_true",
-                        help="torch.compile each decoder layer, as `megahybrid train train.compile_scope=layers` "
-                             "does on a GPU (the warm-up steps compile)")
+                        help="torch.compile layer by layer, as `megahybrid train train.compile_scope=layers` does "
+                             "(the warm-up steps compile)")
     parser.add_argument("--profile", action="store_true",
                         help="kernel times of the first cp's rank and of its shard without CP, into the results")
     args = parser.parse_args(argv)

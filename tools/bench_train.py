@@ -24,7 +24,8 @@ uses the bf16 matmul rate measured at the end of the run.
 Rows are PRESET[@PATTERN][+KEY=VALUE...]:RECOMPUTE:MICRO[:SEQ] with KEY=VALUE model-section overrides, or
 train-section ones as train.KEY=VALUE (an option compared on and off in one table), RECOMPUTE one of none,
 selective, selective_mlp, full and SEQ the row's context (default --seq); every (preset, SEQ) also gets a baseline
-row at the micro-batch of its first row. Results: tools/results/NAME.{json,md} (--name, default bench_train; date, GPU and commit in the meta).
+row at the micro-batch of its first row. Results: tools/results/NAME.{json,md} (--name, default bench_train; date,
+GPU and commit in the meta).
 """
 import argparse
 import json
@@ -107,26 +108,23 @@ def _total_steps(args) -> int:
 def _preset_fields(spec: str) -> dict:
     """`NAME[@PATTERN][+KEY=VALUE...]` as model-section fields (KEY relative to the model section; `train.` keys
     go to the train section, _train_fields)."""
-    from megahybrid.train.config import apply_override
-
-    head, *overrides = spec.split("+")
-    name, _, pattern = head.partition("@")
-    fields = {"preset": name, **({"pattern": pattern} if pattern else {})}
-    for item in overrides:
-        if not item.startswith("train."):
-            apply_override(fields, item)
-    return fields
+    return _row_sections(spec)["model"]
 
 
 def _train_fields(spec: str) -> dict:
     """The `+train.KEY=VALUE` overrides of a row spec as train-section fields (`+train.compile_scope=layers`)."""
+    return _row_sections(spec)["train"]
+
+
+def _row_sections(spec: str) -> dict:
     from megahybrid.train.config import apply_override
 
-    fields = {}
-    for item in spec.split("+")[1:]:
-        if item.startswith("train."):
-            apply_override(fields, item.removeprefix("train."))
-    return fields
+    head, *overrides = spec.split("+")
+    name, _, pattern = head.partition("@")
+    raw = {"model": {"preset": name, **({"pattern": pattern} if pattern else {})}, "train": {}}
+    for item in overrides:
+        apply_override(raw, item if item.startswith("train.") else f"model.{item}")
+    return raw
 
 
 def baseline_step(row: dict, args):

@@ -93,8 +93,8 @@ class TrainSection:
     # gpu_compile) stay eager inside the compiled model (Trainer.compile_model).
     compile: bool | str = "auto"
     # What one torch.compile region covers: model = the whole model in one graph (fusion across layers); layers =
-    # each decoder layer and the output layer with the loss as regions of their own (torchtitan's per-block
-    # compile), layers of one kind sharing one compiled graph, so compile time stops growing with depth.
+    # each decoder layer, the final norm and the output layer with the loss as regions of their own (per-block
+    # compile, as torchtitan's), layers of one kind sharing one compiled graph: compile time stops growing with depth.
     compile_scope: str = "model"
 
 

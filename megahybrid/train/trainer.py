@@ -89,11 +89,20 @@ def compile_model(engine, model_cfg, scope: str = "model") -> None:
             layer.self_attention.forward = torch.compiler.disable(layer.self_attention.forward)
     if scope == "model":
         engine.compile()
-        return
-    final_norm = getattr(engine.module.decoder, "final_layernorm", None)
-    for region in [*engine.module.decoder.layers, *([final_norm] if final_norm is not None else [])]:
+    else:
+        compile_by_layer(engine.module)
+
+
+def compile_by_layer(model) -> None:
+    """train.compile_scope=layers on a GPTModel: each decoder layer, the final norm and the output layer with the
+    loss (megatron's `_postprocess`) compiled on their own, in place."""
+    regions = list(model.decoder.layers)
+    final_norm = getattr(model.decoder, "final_layernorm", None)
+    if final_norm is not None:
+        regions.append(final_norm)
+    for region in regions:
         region.compile()
-    engine.module._postprocess = torch.compile(engine.module._postprocess)
+    model._postprocess = torch.compile(model._postprocess)
 
 
 class Trainer:
@@ -310,7 +319,8 @@ class Trainer:
             return "False(auto: not under ZeRO-3 on a GPU)"
         if not self.compiled:
             return "False"
-        notes = [f"by {scope}" for scope in [self.cfg.train.compile_scope] if scope != "model"]
+        scope = self.cfg.train.compile_scope
+        notes = [f"by {scope}"] if scope != "model" else []
         notes += [f"eager mixers: {eager}"] if eager else []
         return f"True({'; '.join(notes)})" if notes else "True"
 
