@@ -2,7 +2,7 @@
 # The GPU checks a device session runs, each part fitting one call: every gpu-marked test (each kernel's backward
 # against the fp32 reference ON the GPU: Triton 3.6 on Hopper miscompiles some layouts silently), then the
 # Interdomain benchmark. Run from the repo root on the device machine with `.whl` carried:
-#   MEGAHYBRID_COMMIT=<hash> bash tools/gpu_check.sh [pending|scope|mixers|gdn-probe|cp|kernels|stack|bench|paper|precision|recall|recall-diag|all]
+#   MEGAHYBRID_COMMIT=<hash> bash tools/gpu_check.sh [pending|s4d|scope|mixers|gdn-probe|cp|kernels|stack|bench|paper|precision|recall|recall-diag|all]
 # pending: the GPU tests of what changed since the last H200 run; kernels: tests/kernels (about 4 minutes); stack:
 # the other gpu tests, which train, export and decode models in subprocesses (about 5 minutes); all: both then
 # bench, more than one call's 10 minutes. The tests run in 14 processes (pytest-xdist, in the device image): one
@@ -28,6 +28,20 @@ if [ "$mode" = pending ]; then  # every GPU test passed on the H200 (669598c; fl
   timeout -k 5 480 python3 tools/bench_train.py --rows 1.3b:full:4 1.3b:full:1:16384 --no-baseline \
     --name bench_train-recompute-full --budget-s 450 --row-timeout-s 240 2>&1 | grep -v -i warn | tail -6
   cp tools/results/bench_train-recompute-full.* "${OUT:-/tmp}/"
+fi
+if [ "$mode" = s4d ]; then  # #12: the chunked S4D contraction (session 20, never run on a GPU): its GPU tests (the carry
+  # kernel's backward against the fp32 FFT), then FFT against chunked, eager and compiled, next to the I op (about
+  # 5 minutes); if chunked wins, it becomes model.interdomain.contraction's default and the D suite rows are rerun
+  run_tests s4d tests/kernels/test_s4d_chunk.py tests/kernels/test_custom_ops.py
+  timeout -k 5 420 python3 tools/bench_s4d.py --budget-s 300 2>&1 | grep -v -i warn | tail -30
+  cp tools/results/bench_s4d.* "${OUT:-/tmp}/"
+fi
+if [ "$mode" = s4d-train ]; then  # #12/#13: 125M `D` through `megahybrid train`'s step, FFT and chunked contraction in
+  # one run (the suite's FFT row: 151.8K tok/s at ef94593; its warm-up 183 s)
+  timeout -k 5 575 python3 tools/bench_train.py --no-baseline --name bench_train-s4d --budget-s 550 \
+    --row-timeout-s 270 --rows 125m@D:none:8 125m@D+interdomain.contraction=chunked:none:8 2>&1 | grep -v -i warn |
+    tail -6
+  cp tools/results/bench_train-s4d.* "${OUT:-/tmp}/"
 fi
 if [ "$mode" = scope ]; then  # #15/#20: train.compile_scope=layers against the default whole-model compile, warm-up
   # and tok/s (session 19: natsl-340m's whole-model warm-up took 247 s, N's over 260 s; bench_train-mixers.md has

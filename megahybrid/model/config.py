@@ -11,7 +11,9 @@ RECOMPUTE = ("none", "selective", "full")
 RECOMPUTE_MODULES = ("core_attn", "mlp")
 # Fields that change how a model is initialized or run, not its weights: a checkpoint resumes across them
 # (dotted: a field of an option section).
-NOT_IN_WEIGHTS = ("init_std", "recompute", "recompute_modules", "recompute_num_layers", "interdomain.fused_input")
+NOT_IN_WEIGHTS = ("init_std", "recompute", "recompute_modules", "recompute_num_layers", "interdomain.fused_input",
+                  "interdomain.contraction")
+CONTRACTIONS = ("fft", "chunked")
 
 
 @dataclass
@@ -38,6 +40,9 @@ class InterdomainOptions:
     # I's input path as fused Triton kernels (kernels/interdomain_input; 1.21x tok/s at 125m on the H200). None: on
     # CUDA tensors, torch steps on the CPU; true: wherever Triton runs, its CPU interpreter too (tests); false: never
     fused_input: bool | None = None
+    # how the linear-contraction readout (`D`, dual-contraction) computes its S4D convolution: "fft" (s4d.py, O(T log
+    # T)) or "chunked" (s4d_chunk.py: 64-token chunks, dense products and a chunk-to-chunk carry, linear in T)
+    contraction: str = "fft"
 
     def heads(self, hidden_size: int, model_head_dim: int) -> tuple[int, int, int]:
         """(heads, d_h, R) of the mixer in a model of this width."""
@@ -52,6 +57,8 @@ class InterdomainOptions:
             raise ConfigError(f"model.interdomain.modes={self.modes} must be in 1..64 (the op's limit)")
         if self.variant not in INTERDOMAIN_VARIANTS:
             raise ConfigError(f"model.interdomain.variant={self.variant!r}; choose one of {INTERDOMAIN_VARIANTS}")
+        if self.contraction not in CONTRACTIONS:
+            raise ConfigError(f"model.interdomain.contraction={self.contraction!r}; choose one of {CONTRACTIONS}")
         if self.init not in ("inv", "lin"):
             raise ConfigError(f"model.interdomain.init={self.init!r}; choose inv (S4D-Inv) or lin (S4D-Lin)")
         if self.conv_size < 1 or not 0 < self.dt_min <= self.dt_max:

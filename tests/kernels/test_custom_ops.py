@@ -103,3 +103,24 @@ def test_compiled_caller_keeps_selected_gdn_in_one_graph(device):
     q, k, v, g, beta, keep, h0 = test_nats_gdn.make_inputs(2, 100, 2, 16, 32, device=device)
     _compiled_matches_eager(lambda q, k, v, g, beta, keep, h0: gdn_chunk.chunk_selected_gdn(
         q, k, v * 2, g, beta, keep, initial_state=h0, output_final_state=True), [q, k, v, g, beta, keep, h0])
+
+
+@pytest.mark.parametrize("with_state", [False, True])
+def test_s4d_carry_op_registration(with_state):
+    from megahybrid_kernels.interdomain.s4d_chunk import s4d_carry
+    from tests.kernels.test_s4d_chunk import _walk_case
+
+    u, _, x0, decay = _walk_case(False, N=3, M=8, D=12)
+    torch.library.opcheck(s4d_carry, (u.requires_grad_(), decay.requires_grad_(),
+                                      x0.requires_grad_() if with_state else None, 16, 5))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_compiled_caller_keeps_the_s4d_carry_in_one_graph(device):
+    """The chunked S4D contraction compiled whole (fullgraph) against eager: output, final state, every gradient."""
+    from megahybrid_kernels.interdomain.s4d_chunk import s4d_contraction_chunked
+    from tests.kernels.test_s4d import _inputs
+
+    x, decay, b, c, s0 = (t.to(device) for t in _inputs(T=100, M=8, D=12))
+    _compiled_matches_eager(lambda *a: s4d_contraction_chunked(*a, output_final_state=True, chunk_size=32),
+                            [x, decay, b, c, s0])

@@ -46,7 +46,8 @@ def test_state_floats_equal_for_i_and_d():
 def test_bad_options_name_the_fix():
     from megahybrid.errors import ConfigError
 
-    for opts, message in (({"variant": "x"}, "variant"), ({"modes": 65}, "modes"), ({"head_dim": 48}, "head_dim")):
+    for opts, message in (({"variant": "x"}, "variant"), ({"modes": 65}, "modes"), ({"head_dim": 48}, "head_dim"),
+                          ({"contraction": "conv"}, "contraction")):
         with pytest.raises(ConfigError, match=message):
             preset("tiny", pattern="I", interdomain=opts)
 
@@ -143,6 +144,46 @@ def test_cell_counts_groups_telemetry_and_decoding(cells, pattern, variant):
     assert all(0 < v < 1 for v in mins)
     token_by_token, chunked_prefill = r["errs"]
     assert token_by_token < DECODE_TOL and chunked_prefill < DECODE_TOL, r["errs"]
+
+
+CONTRACTION_TOL = 1e-5  # fp32 relative RMS: the FFT and the chunked contraction sum in different orders
+
+
+def _contraction_checks(rank, world):
+    from megahybrid.distributed import init_distributed, shutdown
+    from megahybrid.model.gpt import build_model
+    from megahybrid.parallel import ParallelLayout
+
+    layout = init_distributed(ParallelLayout()).layout
+    tokens = torch.randint(0, 256, (2, 100), generator=torch.Generator().manual_seed(2))
+    out = {}
+    for contraction in ("fft", "chunked"):
+        cfg = tiny("DS", contraction=contraction)
+        torch.manual_seed(0)
+        model = build_model(cfg, layout)
+        loss = model(input_ids=tokens, position_ids=None, attention_mask=None, labels=tokens).mean()
+        loss.backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        model.eval()
+        with torch.no_grad():
+            errs = _decode_checks(model, cfg)
+        out[contraction] = (loss.item(), grads, errs)
+    shutdown()
+    return out
+
+
+def test_chunked_contraction_layer_matches_fft():
+    """`D` with model.interdomain.contraction=chunked: the same loss and every gradient as the FFT contraction over
+    100 tokens (one full chunk and a partial one), and decoding against its own full forward."""
+    from tests.utils import assert_close
+
+    r = run_on_ranks(_contraction_checks, 1, env={"TRITON_INTERPRET": "0"})[0]
+    (loss_f, grads_f, _), (loss_c, grads_c, errs) = r["fft"], r["chunked"]
+    assert abs(loss_c - loss_f) <= 1e-5 * abs(loss_f)
+    assert grads_f.keys() == grads_c.keys() and len(grads_f) > 10
+    for name in grads_f:
+        assert_close(grads_c[name], grads_f[name], CONTRACTION_TOL, name)
+    assert max(errs) < DECODE_TOL, errs
 
 
 def test_discretization_and_init():

@@ -318,9 +318,9 @@ class ContractionReadout(torch.nn.Module):
 
     query = False
 
-    def __init__(self, dims: Dims, cap: float):
+    def __init__(self, dims: Dims, cap: float, contraction: str = "fft"):
         super().__init__()
-        self.dims = dims
+        self.dims, self.contraction = dims, contraction
         width = dims.R + dims.dh
         self.C = _ssm_param(_shard(torch.randn(dims.heads, dims.M, width, 2) * (2 * dims.M) ** -0.5, dims.local),
                             cap)
@@ -337,13 +337,15 @@ class ContractionReadout(torch.nn.Module):
 
     def forward(self, parts, decay, b, state):
         from megahybrid_kernels.interdomain.s4d import s4d_contraction, s4d_contraction_step
+        from megahybrid_kernels.interdomain.s4d_chunk import s4d_contraction_chunked
 
         x = torch.cat(list(parts.values()), -1)
         if x.shape[1] == 1:
             state = state if state is not None else self.zero_state(x.shape[0], x.device)
             y, new = s4d_contraction_step(x[:, 0], decay, b, self.C.float(), state[0])
             return y[:, None], (new,)
-        y, new = s4d_contraction(x, decay, b, self.C.float(), state[0] if state is not None else None, True)
+        contract = s4d_contraction_chunked if self.contraction == "chunked" else s4d_contraction
+        y, new = contract(x, decay, b, self.C.float(), state[0] if state is not None else None, True)
         return y, (new,)
 
 
@@ -399,6 +401,8 @@ class InterdomainMixer(MegatronModule):
         self.layer_number = layer_number
         self.dims = dims = dims_of(model_cfg)
         readout_kwargs = {"normalize": normalize} if normalize else {}
+        if not submodules.readout.query:
+            readout_kwargs["contraction"] = opts.contraction
         self.readout = submodules.readout(dims, opts.ssm_lr, **readout_kwargs)
         use_rope = rope_default if opts.rope is None else opts.rope
         self.inputs = submodules.inputs(config, model_cfg, dims, self.readout.query, use_rope)
