@@ -3,11 +3,14 @@
 (issue #12: `D` as fast as `I`). fwd+bwd at B*T = 65,536 tokens, bf16 inputs, M = 64 modes, D = R + d_h = 128
 channels per head (every preset), 12 heads (125M) and 32 (1.3B), at 4K and 16K.
 
-First a check: the chunked form against the fp32 FFT on this GPU (output, final state, every gradient; the same
-case as tests/kernels/test_s4d_chunk.py's GPU test); a failed check marks every chunked row. Usage:
-python tools/bench_s4d.py [--quick] [--budget-s S]; results in tools/results/bench_s4d.{md,json}.
+First a check: the chunked form against the fp32 FFT on this device (output, final state, every gradient; the
+case of tests/kernels/test_s4d_chunk.py's GPU test); a failed check marks every chunked row. Usage:
+python tools/bench_s4d.py [--quick] [--budget-s S]; results in tools/results/bench_s4d.{md,json}. Without a GPU
+(`--smoke`, tests/test_bench_s4d.py): tiny fp32 shapes, eager only, timed with perf_counter.
 """
 import argparse
+import dataclasses
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -20,110 +23,135 @@ from megahybrid_kernels.interdomain.s4d import s4d_contraction  # noqa: E402
 from megahybrid_kernels.interdomain.s4d_chunk import s4d_contraction_chunked  # noqa: E402
 from tools.benchutil import format_table, peak_memory_mib, save_results, time_ms  # noqa: E402
 
-TOKENS, M, CHANNELS = 65536, 64, 128
-HEADS = (12, 32)
+
+@dataclasses.dataclass(frozen=True)
+class Setup:
+    tokens: int = 65536
+    heads: tuple[int, ...] = (12, 32)
+    contexts: tuple[int, ...] = (4096, 16384)
+    modes: int = 64
+    channels: int = 128  # R + d_h of a `D` head
+    head_dim: int = 64  # K = V of the `I` rows
+    device: str = "cuda"
+    dtype: torch.dtype = torch.bfloat16
 
 
-def check() -> dict:
-    """Relative RMS errors of the bf16 chunked contraction against the fp32 FFT (T = 1000: a partial chunk)."""
-    from tests.kernels.test_s4d_chunk import _gpu_case, _run
+SMOKE = Setup(tokens=512, heads=(2,), contexts=(256,), modes=8, channels=16, head_dim=16, device="cpu",
+              dtype=torch.float32)
+
+
+def check(setup: Setup) -> dict:
+    """Relative RMS errors of the chunked contraction in setup's dtype against the fp32 FFT (T = 1000: a partial
+    chunk), every gradient included."""
+    from tests.kernels.test_s4d import _inputs
+    from tests.kernels.test_s4d_chunk import _run
     from tests.utils import rel_rms_error
 
-    inputs = _gpu_case(torch.bfloat16, 1000)
-    got = _run(s4d_contraction_chunked, inputs)
-    want = _run(s4d_contraction, [inputs[0].float()] + inputs[1:])
+    x, decay, b, c, s0 = _inputs(B=2, T=1000, H=4, M=setup.modes, D=setup.channels, seed=3)
+    decay = torch.stack((-torch.rand_like(decay[..., 0]) * 0.1 - 1e-3, decay[..., 1]), -1)
+    inputs = [t.to(setup.device) for t in (x, decay, b / setup.modes ** 0.5, c / setup.modes ** 0.5, s0)]
+    got = _run(s4d_contraction_chunked, [inputs[0].to(setup.dtype)] + inputs[1:])
+    want = _run(s4d_contraction, inputs)
     names = ("y", "state", "dx", "ddecay", "db", "dc", "ds0")
     errs = {n: rel_rms_error(a, e) for n, a, e in zip(names, (got[0], got[1], *got[2]), (want[0], want[1], *want[2]))}
     return {"errors": {k: f"{v:.2e}" for k, v in errs.items()}, "ok": max(errs.values()) < 3e-2}
 
 
-def _s4d_case(T, heads):
-    g = torch.Generator(device="cuda").manual_seed(0)
-    B = TOKENS // T
-    x = torch.randn(B, T, heads, CHANNELS, device="cuda", generator=g).bfloat16().requires_grad_()
-    decay = torch.stack((-torch.rand(heads, M, device="cuda") * 0.1 - 1e-3, torch.randn(heads, M, device="cuda")), -1)
-    b = torch.randn(heads, M, 2, device="cuda") / M ** 0.5
-    c = torch.randn(heads, M, CHANNELS, 2, device="cuda") / M ** 0.5
-    leaves = [x, decay.requires_grad_(), b.requires_grad_(), c.requires_grad_()]
-    return leaves, torch.randn_like(x)
+def _parameters(setup: Setup, heads: int, width: int):
+    dev, M = setup.device, setup.modes
+    decay = torch.stack((-torch.rand(heads, M, device=dev) * 0.1 - 1e-3, torch.randn(heads, M, device=dev)), -1)
+    b = torch.randn(heads, M, 2, device=dev) / M ** 0.5
+    c = torch.randn(heads, M, width, 2, device=dev) / M ** 0.5
+    return [t.requires_grad_() for t in (decay, b, c)]
 
 
-def _interdomain_case(T, heads):
-    g = torch.Generator(device="cuda").manual_seed(0)
-    B = TOKENS // T
-    q, k, v = (torch.randn(B, T, heads, 64, device="cuda", generator=g).bfloat16().requires_grad_() for _ in range(3))
-    decay = torch.stack((-torch.rand(heads, M, device="cuda") * 0.1 - 1e-3, torch.randn(heads, M, device="cuda")), -1)
-    b = torch.randn(heads, M, 2, device="cuda") / M ** 0.5
-    c = torch.randn(heads, M, M, 2, device="cuda") / (2 * M) ** 0.5
-    leaves = [q, k, v, decay.requires_grad_(), b.requires_grad_(), c.requires_grad_()]
+def _s4d_case(setup: Setup, T: int, heads: int):
+    x = torch.randn(setup.tokens // T, T, heads, setup.channels, device=setup.device).to(setup.dtype)
+    return [x.requires_grad_(), *_parameters(setup, heads, setup.channels)], torch.randn_like(x)
+
+
+def _interdomain_case(setup: Setup, T: int, heads: int):
+    shape = (setup.tokens // T, T, heads, setup.head_dim)
+    q, k, v = (torch.randn(shape, device=setup.device).to(setup.dtype).requires_grad_() for _ in range(3))
+    decay, b, c = _parameters(setup, heads, setup.modes)
+    c.data.mul_(0.5 ** 0.5)  # readout C [H, M, M, 2] at variance 1 / (2M)
     fwd = lambda q, k, v, decay, b, c: interdomain_attention(q, k, v, decay, b, chunk_size=64, readout=c,  # noqa: E731
                                                              check_values=False)[0]
-    return fwd, leaves, torch.randn_like(v)
+    return fwd, [q, k, v, decay, b, c], torch.randn_like(v)
 
 
-def _variants():
+def variants(compiled: bool = True) -> dict:
     """name -> (contraction, compiled)."""
     chunked = {f"chunked-{L}": (lambda *a, L=L: s4d_contraction_chunked(*a, chunk_size=L)) for L in (64, 128)}
     forms = {"fft": s4d_contraction, **chunked}
-    return {**{n: (f, False) for n, f in forms.items()}, **{f"{n} compiled": (f, True) for n, f in forms.items()}}
+    out = {n: (f, False) for n, f in forms.items()}
+    return {**out, **{f"{n} compiled": (f, True) for n, f in forms.items()}} if compiled else out
 
 
-def _time(fwd, leaves, dy) -> tuple[float, float]:
+def _time(setup: Setup, fwd, leaves, dy) -> tuple[float, float | str]:
     step = lambda: torch.autograd.backward(fwd(*leaves), dy)  # noqa: E731
     step()
-    ms = time_ms(step, grad_to_none=leaves)
-    return ms, peak_memory_mib(step)
+    if setup.device == "cuda":
+        return time_ms(step, grad_to_none=leaves), peak_memory_mib(step)
+    times = []
+    for _ in range(3):
+        start = time.perf_counter()
+        step()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times), "n/a"
 
 
-def rows_at(T, heads, names, checked) -> list[dict]:
-    rows = []
-    fwd, leaves, dy = _interdomain_case(T, heads)
-    ms, mib = _time(fwd, leaves, dy)
-    rows.append({"op": "I (interdomain op, 64 + 64)", "heads": heads, "T": T, "fwdbwd_ms": ms, "peak_MiB": mib})
-    leaves, dy = _s4d_case(T, heads)
+def rows_at(setup: Setup, T: int, heads: int, names, checked: bool) -> list[dict]:
+    fwd, leaves, dy = _interdomain_case(setup, T, heads)
+    ms, mib = _time(setup, fwd, leaves, dy)
+    rows = [{"op": f"I (op, {setup.head_dim} + {setup.head_dim}, readout C)", "heads": heads, "T": T,
+             "fwdbwd_ms": ms, "peak_MiB": mib}]
+    leaves, dy = _s4d_case(setup, T, heads)
+    forms = variants()
     for name in names:
-        contraction, compiled = _variants()[name]
+        contraction, compiled = forms[name]
         fn = lambda *a, f=contraction: f(*a)[0]  # noqa: E731
         torch._dynamo.reset()
-        fwd = torch.compile(fn) if compiled else fn
+        row = {"op": f"D {name}", "heads": heads, "T": T}
         try:
-            ms, mib = _time(fwd, leaves, dy)
-            row = {"op": f"D {name}", "heads": heads, "T": T, "fwdbwd_ms": ms, "peak_MiB": mib}
+            ms, mib = _time(setup, torch.compile(fn) if compiled else fn, leaves, dy)
+            row.update(fwdbwd_ms=ms, peak_MiB=mib, **{"I/this": rows[0]["fwdbwd_ms"] / ms})
         except Exception as err:  # one form failing (memory, a build) leaves the others' rows
-            row = {"op": f"D {name}", "heads": heads, "T": T, "error": f"{type(err).__name__}: {str(err)[:80]}"}
+            row["error"] = f"{type(err).__name__}: {str(err)[:80]}"
         if "chunked" in name and not checked:
             row["note"] = "check failed"
         rows.append(row)
-        torch.cuda.empty_cache()
-    base = rows[0]["fwdbwd_ms"]
-    for row in rows:
-        if "fwdbwd_ms" in row:
-            row["I/this"] = base / row["fwdbwd_ms"]
+        if setup.device == "cuda":
+            torch.cuda.empty_cache()
     return rows
 
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--quick", action="store_true", help="12 heads only, eager fft and chunked-64 and compiled")
+    ap.add_argument("--quick", action="store_true", help="12 heads only; fft and chunked-64, eager and compiled")
+    ap.add_argument("--smoke", action="store_true", help="no GPU: tiny fp32 shapes on the CPU, eager forms only")
     ap.add_argument("--budget-s", type=float, default=400.0, help="skip the remaining shapes after this many seconds")
+    ap.add_argument("--results-dir", default=None, help="default tools/results")
     args = ap.parse_args()
+    setup = SMOKE if args.smoke else Setup()
     start = time.time()
-    checked = check()
-    print("check (bf16 chunked vs fp32 FFT, T = 1000):", checked, flush=True)
-    names = list(_variants())
+    checked = check(setup)
+    print("check (chunked vs fp32 FFT, T = 1000):", checked, flush=True)
+    names = list(variants(compiled=not args.smoke))
     if args.quick:
         names = ["fft", "chunked-64", "fft compiled", "chunked-64 compiled"]
     rows = []
-    for heads in HEADS[:1] if args.quick else HEADS:
-        for T in (4096, 16384):
+    for heads in setup.heads[:1] if args.quick else setup.heads:
+        for T in setup.contexts:
             if time.time() - start > args.budget_s:
                 print(f"skipped {heads} heads T={T}: over the time budget", flush=True)
                 continue
-            rows += rows_at(T, heads, names, checked["ok"])
+            rows += rows_at(setup, T, heads, names, checked["ok"])
             print(format_table(rows[-len(names) - 1:]), flush=True)
-    extra = {"shape": f"B*T={TOKENS}, M={M}, D={CHANNELS} channels per head, bf16 x, fp32 parameters; "
-                      "I: K=V=64, full readout C", "check": checked}
-    print(save_results("bench_s4d", rows, extra))
+    extra = {"shape": f"B*T={setup.tokens}, M={setup.modes}, D={setup.channels} channels per head, "
+                      f"{str(setup.dtype).removeprefix('torch.')} x, fp32 parameters; I: K=V={setup.head_dim}, "
+                      "full readout C", "check": checked}
+    print(save_results("bench_s4d", rows, extra, args.results_dir))
 
 
 if __name__ == "__main__":
