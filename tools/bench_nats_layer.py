@@ -38,14 +38,15 @@ def _fixed_fraction_choose(self, score):
     return keep_attn, 1.0 - keep_attn
 
 
-def _model(pattern: str, seq: int):
-    cfg = preset("natsl-340m", pattern=pattern, seq_length=seq)
+def _model(pattern: str, seq: int, segments: int = 1):
+    cfg = preset("natsl-340m", pattern=pattern, seq_length=seq, nats={"gdn_segments": segments})
     return cfg, build_model(cfg, ParallelLayout(), "bf16").eval()
 
 
-def _prefill_row(name, pattern, profiles=None, compiled=False):
-    """Eager and CUDA-graph prefill times, and torch.compile's with `compiled` (full_logits: no autograd)."""
-    cfg, model = _model(pattern, PREFILL)
+def _prefill_row(name, pattern, profiles=None, compiled=False, segments=1):
+    """Eager and CUDA-graph prefill times, and torch.compile's with `compiled` (full_logits: no autograd);
+    `segments`: model.nats.gdn_segments."""
+    cfg, model = _model(pattern, PREFILL, segments)
     tokens = torch.randint(0, cfg.vocab_size, (1, PREFILL), device="cuda")
     run = lambda: decode.full_logits(model, tokens)  # noqa: E731
     row = {"model": name, "what": f"prefill {PREFILL // 1024}K", "ms": time_ms(run, 20, 100),
@@ -131,15 +132,22 @@ def main(argv=None):
     parser.add_argument("--prefill-only", action="store_true", help="skip the decode rows")
     parser.add_argument("--compile", action="store_true",
                         help="also time each prefill under torch.compile (compile_s: its first call)")
+    parser.add_argument("--gdn-segments", default="1", metavar="N[,N...]",
+                        help="one Hybrid prefill row per model.nats.gdn_segments value (default 1)")
     args = parser.parse_args(argv)
     init_distributed(ParallelLayout())
     NatsLayer._choose = _fixed_fraction_choose
     hybrid = preset("natsl-340m").pattern
     profiles = {} if args.profile else None
-    rows = [_prefill_row(name, pattern, profiles, args.compile) for name, pattern in (("Hybrid", hybrid), ("S", "S"))]
-    rows[0]["speedup"], rows[0]["graphed_speedup"] = _speedup(rows, "ms"), _speedup(rows, "graphed_ms")
-    if args.compile:
-        rows[0]["compiled_speedup"] = _speedup(rows, "compiled_ms")
+    segments = [int(n) for n in args.gdn_segments.split(",")]
+    rows = [_prefill_row("Hybrid" + (f" gdn_segments={n}" if n > 1 else ""), hybrid, profiles, args.compile, n)
+            for n in segments]
+    rows.append(_prefill_row("S", "S", profiles, args.compile))
+    for row in rows[:-1]:
+        pair = [row, rows[-1]]
+        row["speedup"], row["graphed_speedup"] = _speedup(pair, "ms"), _speedup(pair, "graphed_ms")
+        if args.compile:
+            row["compiled_speedup"] = _speedup(pair, "compiled_ms")
     for context in () if args.prefill_only else DECODE_CONTEXTS:
         pair = [_decode_row("Hybrid", hybrid, context), _decode_row("S", "S", context)]
         pair[0]["speedup"], pair[0]["graphed_speedup"] = _speedup(pair, "ms"), _speedup(pair, "graphed_ms")

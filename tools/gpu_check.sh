@@ -2,7 +2,7 @@
 # The GPU checks a device session runs, each part fitting one call: every gpu-marked test (each kernel's backward
 # against the fp32 reference ON the GPU: Triton 3.6 on Hopper miscompiles some layouts silently), then the
 # Interdomain benchmark. Run from the repo root on the device machine with `.whl` carried:
-#   MEGAHYBRID_COMMIT=<hash> bash tools/gpu_check.sh [pending|s4d|scope|mixers|gdn-probe|cp|kernels|stack|bench|paper|precision|recall|recall-diag|all]
+#   MEGAHYBRID_COMMIT=<hash> bash tools/gpu_check.sh [pending|s4d|s4d-train|prefill-seg|scope|mixers|gdn-probe|cp|kernels|stack|bench|paper|precision|recall|recall-diag|all]
 # pending: the GPU tests of what changed since the last H200 run; kernels: tests/kernels (about 4 minutes); stack:
 # the other gpu tests, which train, export and decode models in subprocesses (about 5 minutes); all: both then
 # bench, more than one call's 10 minutes. The tests run in 14 processes (pytest-xdist, in the device image): one
@@ -42,6 +42,14 @@ if [ "$mode" = s4d-train ]; then  # #12/#13: 125M `D` through `megahybrid train`
     --row-timeout-s 270 --rows 125m@D:none:8 125m@D+interdomain.contraction=chunked:none:8 2>&1 | grep -v -i warn |
     tail -6
   cp tools/results/bench_train-s4d.* "${OUT:-/tmp}/"
+fi
+if [ "$mode" = prefill-seg ]; then  # #14: model.nats.gdn_segments (session 20, never run on a GPU): its GPU tests, then
+  # the 128K prefill of natsl-340m's Hybrid at 1, 8 and 16 segments against `S`, eager, graphed and compiled (the
+  # compiled 4.29x at 6d2c00a had the GDN state kernel at 111 of 415 ms, latency-bound on 96 programs)
+  run_tests segments tests/layers/test_gdn_segments.py
+  timeout -k 5 540 python3 tools/bench_nats_layer.py --prefill-only --compile --gdn-segments 1,8,16 2>&1 |
+    grep -v -i warn | tail -8
+  cp tools/results/nats-layer-prefill.* "${OUT:-/tmp}/"
 fi
 if [ "$mode" = scope ]; then  # #15/#20: train.compile_scope=layers against the default whole-model compile, warm-up
   # and tok/s (session 19: natsl-340m's whole-model warm-up took 247 s, N's over 260 s; bench_train-mixers.md has

@@ -12,7 +12,7 @@ RECOMPUTE_MODULES = ("core_attn", "mlp")
 # Fields that change how a model is initialized or run, not its weights: a checkpoint resumes across them
 # (dotted: a field of an option section).
 NOT_IN_WEIGHTS = ("init_std", "recompute", "recompute_modules", "recompute_num_layers", "interdomain.fused_input",
-                  "interdomain.contraction")
+                  "interdomain.contraction", "nats.gdn_segments")
 CONTRACTIONS = ("fft", "chunked")
 
 
@@ -96,6 +96,9 @@ class NatsOptions:
     conv_size: int = 4
     selection: str = "argmax"
     kept_fraction: float = 1.0
+    # the GDN op over each sequence cut into this many segments of whole chunks, run side by side (exact; the op then
+    # carries K + V value columns: megahybrid/model/mixers/gdn_segments.py); 1 = the whole sequence at once
+    gdn_segments: int = 1
 
     @property
     def gdn_value_dim(self) -> int:
@@ -110,7 +113,7 @@ class NatsOptions:
         return self.gdn_heads * self.gdn_value_dim // self.attention_heads
 
     def validate(self) -> None:
-        for name in ("gdn_heads", "gdn_head_dim", "expand_v", "attention_heads", "conv_size"):
+        for name in ("gdn_heads", "gdn_head_dim", "expand_v", "attention_heads", "conv_size", "gdn_segments"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"model.nats.{name}={getattr(self, name)} must be >= 1")
         if self.attention_heads % self.gdn_heads:

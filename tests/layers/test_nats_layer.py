@@ -51,6 +51,7 @@ def test_cache_bytes_against_a_full_kv_cache():
     ({"attention_heads": 5}, "multiple of model.nats.gdn_heads"),
     ({"selection": "soft"}, "choose 'argmax' or 'gumbel'"),
     ({"kept_fraction": 2.0}, "must be in \\[0, 1\\]"),
+    ({"gdn_segments": 0}, "model.nats.gdn_segments=0 must be >= 1"),
 ])
 def test_bad_nats_options(nats, message):
     with pytest.raises(ConfigError, match=message):

@@ -39,6 +39,7 @@ returns no log-sum-exp, so merging a separate prefix pass is not open). Bytes sc
 most-keeping head (cp_bytes at model.nats.kept_fraction, 1.0 the bound); the zero queries add r * C * 64 rows;
 the count costs one host sync per layer. Gradients reach earlier ranks through every all-gather.
 """
+import functools
 import math
 from dataclasses import dataclass
 
@@ -60,6 +61,7 @@ from megahybrid.errors import ConfigError
 from megahybrid.model.cp import (
     gather_sequence, layer_cp_group, prefix_states_matrix, previous_shard_tail, read_start_state)
 from megahybrid.model.mixers import Mixer
+from megahybrid.model.mixers.gdn_segments import segmented_gdn
 from megahybrid.model.mixers.shortconv import causal_depthwise_conv
 
 CHUNK = 64  # the selection granularity of NAtS-L and the chunk of both ops
@@ -159,7 +161,7 @@ class NatsLayer(MegatronModule):
         self.H, self.K, self.V = o.gdn_heads // world, o.gdn_head_dim, o.gdn_value_dim
         self.per_head = o.attention_heads // o.gdn_heads
         self.dqk, self.dv = o.attn_qk_dim, o.attn_v_dim
-        self.conv_size = o.conv_size
+        self.conv_size, self.gdn_segments = o.conv_size, o.gdn_segments
         self.widths = [2 * self.K + self.V, self.V, 1, 1] + ([2] if select else [])
         self.proj = ColumnParallelLinear(
             config.hidden_size, o.gdn_heads * sum(self.widths), config=config, init_method=config.init_method,
@@ -268,7 +270,7 @@ class NatsLayer(MegatronModule):
         """The training / full-sequence forward: [B, T, H * V] before the output projection."""
         group = layer_cp_group(self.config)
         q, k, v, gate, g, beta, score, _ = self._inputs(parts, cp_group=group)
-        gdn = chunk_selected_gdn if group is None else _shard_gdn(group)
+        gdn = self._gdn_op() if group is None else _shard_gdn(group)
         # g = -exp(A_log) softplus(.) <= 0 and keep (an exact one-hot, _select) in {0, 1} by construction: the ops'
         # value checks, a host sync each on a GPU with tensors new every step, are skipped (check_values=False)
         if not self.select:
@@ -282,6 +284,12 @@ class NatsLayer(MegatronModule):
         o_attn = attention(qa, ka, va, self._per_attention_head(keep_attn), scale=self.dqk ** -0.5,
                            check_values=False)
         return self._merge(q, o_gdn, o_attn, gate)
+
+    def _gdn_op(self):
+        """The GDN op over a whole sequence: as is, or in model.nats.gdn_segments pieces side by side."""
+        if self.gdn_segments == 1:
+            return chunk_selected_gdn
+        return functools.partial(segmented_gdn, segments=self.gdn_segments)
 
     def _decode(self, parts, context):
         """The first call (sequence_len_offset = 0) is a prefill that builds this layer's cache in
@@ -323,9 +331,8 @@ class NatsLayer(MegatronModule):
         state = q.new_zeros(B, self.H, self.K, self.V, dtype=torch.float32)
         outs = []
         if n:
-            o, state = chunk_selected_gdn(q[:, :n], k[:, :n], v[:, :n], g[:, :n], beta[:, :n],
-                                          keep[:, :, : n // CHUNK], output_final_state=True, use_qk_l2norm=True,
-                                          check_values=False)
+            o, state = self._gdn_op()(q[:, :n], k[:, :n], v[:, :n], g[:, :n], beta[:, :n], keep[:, :, : n // CHUNK],
+                                      output_final_state=True, use_qk_l2norm=True, check_values=False)
             outs.append(o)
         rollback = state
         if n < T:
