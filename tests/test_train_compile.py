@@ -1,6 +1,9 @@
 """train.compile=true (torch.compile through the DeepSpeed engine) trains the same as eager, with the mixers
 measured slower compiled on a GPU kept eager inside the compiled model; parameters stay 16-byte aligned under ZeRO
 (unaligned ones made compiled kernels fault on the H200)."""
+import os
+import re
+
 import pytest
 
 from tests.test_train_resume import _args, data_dir, losses, run  # noqa: F401  (data_dir is a fixture)
@@ -165,3 +168,32 @@ def test_compile_by_layers_traces_one_layer_whatever_the_depth():
     whole = [run_on_ranks(_ops_captured, 1, n, "model")[0] for n in (2, 4)]
     assert by_layers[0] == by_layers[1] > 0, by_layers
     assert whole[1] > whole[0] > 0, whole
+
+
+@pytest.mark.slow
+def test_a_resumed_run_compiles_from_its_run_directory(data_dir, tmp_path, monkeypatch):  # noqa: F811
+    """train.compile_cache's default: torch.compile's graphs are cached under the run directory, so a resumed run
+    (another node's empty /tmp included) loads them instead of compiling; the first step says how many it loaded."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    run_dir = str(tmp_path / "run")
+    first = run(_args(run_dir, data_dir, 2, "model.pattern=SG", "train.compile=true"))[0][1]
+    again = run(_args(run_dir, data_dir, 4, "model.pattern=SG", "train.compile=true"))[0][1]
+    cold = re.search(r"first step [\d.]+ s with torch.compile \(0 of (\d+) compiled graphs from the cache\)", first)
+    warm = re.search(r"first step [\d.]+ s with torch.compile \((\d+) of (\d+) compiled graphs from the cache\)", again)
+    assert cold and warm, (first[-2000:], again[-2000:])
+    assert int(cold.group(1)) > 0 and warm.group(1) == warm.group(2), warm.group(0)
+    assert f"cache {tmp_path / 'run' / 'compile_cache'}" in first
+    assert os.path.isdir(tmp_path / "run" / "compile_cache" / "fxgraph")
+
+
+def test_compile_cache_names_the_fix_for_a_file(tmp_path):
+    from megahybrid.errors import ConfigError
+    from megahybrid.train.config import RunConfig, resolved_compile
+
+    target = tmp_path / "not-a-dir"
+    target.write_text("")
+    cfg = RunConfig()
+    cfg.train.compile_cache = str(target)
+    with pytest.raises(ConfigError, match="is a file; give run, torch or a directory"):
+        resolved_compile(cfg, False, {})

@@ -96,6 +96,10 @@ class TrainSection:
     # each decoder layer, the final norm and the output layer with the loss as regions of their own (per-block
     # compile, as torchtitan's), layers of one kind sharing one compiled graph: compile time stops growing with depth.
     compile_scope: str = "model"
+    # Where torch.compile's graphs and the Triton kernels are cached (megahybrid/train/compile_cache.py): run =
+    # <run_dir>/compile_cache, which a resumed run finds warm; torch = torch's own /tmp (node-local); or a directory
+    # (one for several runs of a model). TORCHINDUCTOR_CACHE_DIR in the environment wins.
+    compile_cache: str = "run"
 
 
 @dataclass
@@ -397,6 +401,10 @@ def resolved_compile(cfg: RunConfig, has_gpu: bool, ds: dict) -> bool:
     """auto compiles on a GPU (except under ZeRO-3, below), true wherever asked; either way the mixers measured
     slower compiled stay eager inside the compiled model (Trainer.compile_model, issue #15)."""
     value = cfg.train.compile
+    from megahybrid.train import compile_cache
+
+    if compile_cache.check(cfg.train.compile_cache):
+        raise ConfigError(compile_cache.check(cfg.train.compile_cache))
     if cfg.train.compile_scope not in COMPILE_SCOPES:
         raise ConfigError(f"train.compile_scope={cfg.train.compile_scope!r}: choose {' or '.join(COMPILE_SCOPES)}")
     if value not in (True, False, "auto"):

@@ -31,7 +31,7 @@ from megahybrid.model.mixers import (
     state_floats,
 )
 from megahybrid.outputs import check_writable
-from megahybrid.train import rundir
+from megahybrid.train import compile_cache, rundir
 from megahybrid.train.checkpoint import TRAINER_STATE, CheckpointManager, all_gather
 from megahybrid.train.config import RunConfig, resolved_compile, validate, zero_stage
 from megahybrid.train.data import build_splits, prepare_data, train_loader, valid_loader
@@ -110,6 +110,8 @@ class Trainer:
         from megahybrid.model.gpt import build_model  # megatron: imported with the first Trainer, not the module
 
         self.plan, self.cfg = plan, plan.cfg
+        # before anything builds a kernel: our Triton kernels compile at their first launch, inductor at the first step
+        self.compile_cache = compile_cache.use(self.cfg.train.compile_cache, self.cfg.run_dir)
         set_deterministic(self.cfg.train.deterministic)
         self.groups = init_distributed(plan.layout, seed=self.cfg.train.seed)
         self.is_logger = self.groups.is_loss_rank
@@ -321,6 +323,7 @@ class Trainer:
             return "False"
         scope = self.cfg.train.compile_scope
         notes = [f"by {scope}"] if scope != "model" else []
+        notes += [f"cache {self.compile_cache}"]
         notes += [f"eager mixers: {eager}"] if eager else []
         return f"True({'; '.join(notes)})" if notes else "True"
 
@@ -355,12 +358,15 @@ class Trainer:
         batches = iter(self.loader)
         self.logger.start(self.step)
         code, last_saved = EXIT_OK, self.step if self.resume_tag else None
+        first = self.compiled
         while self.step < self.cfg.train.steps:
             start = time.monotonic()
             result = self.train_step(batches)
             if self.cfg.debug.sleep_per_step:
                 time.sleep(self.cfg.debug.sleep_per_step)
             self._log(result, time.monotonic() - start)
+            if first:
+                first = self._report_compile(time.monotonic() - start)
             if self.step % self.cfg.eval.interval == 0:
                 self._evaluate_and_log()
             if result["stop"] or self.consecutive_nonfinite >= self.cfg.train.max_consecutive_nonfinite:
@@ -377,6 +383,12 @@ class Trainer:
         self.logger.close()
         self._report_end(code, path)
         return code
+
+    def _report_compile(self, seconds: float) -> bool:
+        """After the first compiled step: its time and how much of the compilation the cache served."""
+        cached = compile_cache.summary()
+        say(self.is_logger, f"first step {seconds:.1f} s with torch.compile" + (f" ({cached})" if cached else ""))
+        return False
 
     def _evaluate_and_log(self) -> None:
         values = self.evaluate()

@@ -14,12 +14,15 @@ def _tuned(key, configs):
     autotuner times configs with CUDA events). Decided at decoration, as triton.jit itself decides there whether a
     kernel is interpreted (TRITON_INTERPRET at import): choosing per launch would gain nothing.
 
-    Configs that exceed shared memory (fp32 inputs at high num_stages) are dropped by the autotuner.
+    Configs that exceed shared memory (fp32 inputs at high num_stages) are dropped by the autotuner. The choices are
+    kept in Triton's cache directory (cache_results), which the trainer puts under the run directory
+    (train.compile_cache): a resumed run does not time the configs again.
     """
     def wrap(fn):
         if interpreting():
             return fn
-        return triton.autotune([triton.Config({}, num_warps=w, num_stages=s) for w, s in configs], key=key)(fn)
+        configs_ = [triton.Config({}, num_warps=w, num_stages=s) for w, s in configs]
+        return triton.autotune(configs_, key=key, cache_results=True)(fn)
     return wrap
 
 
