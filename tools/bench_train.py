@@ -80,6 +80,7 @@ def megahybrid_step(row: dict, args, run_dir: str):
     from megahybrid.train.config import from_dict
     from megahybrid.train.trainer import Trainer, make_plan
 
+    # compile_cache torch: each row's warm-up as the suites measured it (the run directory here is temporary)
     cfg = from_dict({
         "run_dir": run_dir,
         "model": {**_preset_fields(row["preset"]), "seq_length": row["seq"], **RECOMPUTE[row["recompute"]]},
@@ -87,7 +88,7 @@ def megahybrid_step(row: dict, args, run_dir: str):
         "batch": {"global_batch_size": args.tokens // row["seq"], "micro_batch_size": row["micro"]},
         "optimizer": {"warmup_steps": 1},
         "train": {"steps": _total_steps(args), "compile": {"auto": "auto", "true": True, "all": True, "false": False}[
-            args.compile], **_train_fields(row["preset"])},
+            args.compile], "compile_cache": "torch", **_train_fields(row["preset"])},
         "logging": {"tensorboard": False},
         "eval": {"iters": 0},
     })
