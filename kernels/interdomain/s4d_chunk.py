@@ -12,8 +12,8 @@ recurrence is the custom op `s4d_carry` (Triton on the GPU, a torch loop on the 
 walk in reverse with conj(lambda^L), plus the gradient of lambda^L. Against the FFT (s4d.py), nothing depends on
 the sequence beyond a chunk: work and memory are linear in T, and powers are needed only up to L.
 
-Names (kernel): u [B, N, H, 2, M, D] the chunks' own end states (re plane, im plane); xb the states before each
-chunk, same layout (u's dtype); x0 / last [B, H, 2, M, D] fp32; part [B, H, ND, 2, 2, M] the reverse walk's
+Names (kernel): u [H, 2, M, B, N, D] the chunks' own end states (re plane, im plane; head-major); xb the states
+before each chunk, same layout (u's dtype); x0 / last [B, H, 2, M, D] fp32; part [B, H, ND, 2, 2, M] the reverse walk's
 per-tile sums of conj(xb[n]) g[n] (for lambda^L, then for lambda^REST; re, im); L the chunk length, REST the last
 chunk's; xr, xi the running state tile [BM, BD]; fr, fi / lr, li lambda^L / lambda^REST (conjugated in reverse).
 """
@@ -33,15 +33,15 @@ CARRY_TILE = (32, 64)  # (modes, features) per program: a [32, 64] fp32 pair of 
 
 
 @triton.jit
-def _carry_step(n, xr, xi, ar, ai, rr, ri, u_ptr, s_ptr, xb_ptr, fr, fi, lr, li, i_b, i_h, N, H, M, D, st, mmd,
+def _carry_step(n, xr, xi, ar, ai, rr, ri, u_ptr, s_ptr, xb_ptr, fr, fi, lr, li, N, D, plane, st, mmd,
                 REV: tl.constexpr):
-    p = ((i_b * N + n) * H + i_h) * 2 * M * D + st
+    p = st + n * D
     tl.store(xb_ptr + p, xr.to(xb_ptr.dtype.element_ty), mask=mmd)
-    tl.store(xb_ptr + p + M * D, xi.to(xb_ptr.dtype.element_ty), mask=mmd)
+    tl.store(xb_ptr + p + plane, xi.to(xb_ptr.dtype.element_ty), mask=mmd)
     last = n == N - 1
     if REV:  # conj(xb[n]) g[n], summed over this tile's features, for lambda^REST on the last chunk
         sr = tl.load(s_ptr + p, mask=mmd, other=0.0).to(tl.float32)
-        si = tl.load(s_ptr + p + M * D, mask=mmd, other=0.0).to(tl.float32)
+        si = tl.load(s_ptr + p + plane, mask=mmd, other=0.0).to(tl.float32)
         gr, gi = tl.sum(sr * xr + si * xi, 1), tl.sum(sr * xi - si * xr, 1)
         ar, ai = ar + tl.where(last, 0.0, gr), ai + tl.where(last, 0.0, gi)
         rr, ri = rr + tl.where(last, gr, 0.0), ri + tl.where(last, gi, 0.0)
@@ -49,12 +49,12 @@ def _carry_step(n, xr, xi, ar, ai, rr, ri, u_ptr, s_ptr, xb_ptr, fr, fi, lr, li,
     pi = tl.where(last, li, fi).to(tl.float32)[:, None]
     xr, xi = cmul(pr, pi, xr, xi)
     xr += tl.load(u_ptr + p, mask=mmd, other=0.0).to(tl.float32)
-    xi += tl.load(u_ptr + p + M * D, mask=mmd, other=0.0).to(tl.float32)
+    xi += tl.load(u_ptr + p + plane, mask=mmd, other=0.0).to(tl.float32)
     return xr, xi, ar, ai, rr, ri
 
 
 @triton.jit
-def _carry_kernel(u_ptr, s_ptr, x0_ptr, xb_ptr, last_ptr, part_ptr, decay_ptr, N, H, M, D, L, REST,
+def _carry_kernel(u_ptr, s_ptr, x0_ptr, xb_ptr, last_ptr, part_ptr, decay_ptr, B, N, H, M, D, L, REST,
                   BM: tl.constexpr, BD: tl.constexpr, HAS_INIT: tl.constexpr, REV: tl.constexpr,
                   INTERPRET: tl.constexpr):
     """Forward: xb[n] = the state before chunk n from x0, then x = lambda^L x + u[n] (lambda^REST on the last);
@@ -65,7 +65,9 @@ def _carry_kernel(u_ptr, s_ptr, x0_ptr, xb_ptr, last_ptr, part_ptr, decay_ptr, N
     om, od = i_m * BM + tl.arange(0, BM), i_d * BD + tl.arange(0, BD)
     mm, md = om < M, od < D
     mmd = mm[:, None] & md[None, :]
-    st = om[:, None] * D + od[None, :]
+    st = om[:, None] * D + od[None, :]  # the [B, H, 2, M, D] start and last states
+    plane = M * (B * N * D)  # u, xb: [H, 2, M, B, N, D]
+    sc = (i_h * 2 * M + om[:, None]) * (B * N * D) + i_b * N * D + od[None, :]
     al = tl.load(decay_ptr + (i_h * M + om) * 2, mask=mm, other=0.0).to(tl.float64)
     th = tl.load(decay_ptr + (i_h * M + om) * 2 + 1, mask=mm, other=0.0).to(tl.float64)
     if REV:
@@ -85,15 +87,15 @@ def _carry_kernel(u_ptr, s_ptr, x0_ptr, xb_ptr, last_ptr, part_ptr, decay_ptr, N
         while j < N:
             n = N - 1 - j if REV else j
             xr, xi, ar, ai, rr, ri = _carry_step(n=n, xr=xr, xi=xi, ar=ar, ai=ai, rr=rr, ri=ri, u_ptr=u_ptr,
-                                                 s_ptr=s_ptr, xb_ptr=xb_ptr, fr=fr, fi=fi, lr=lr, li=li, i_b=i_b,
-                                                 i_h=i_h, N=N, H=H, M=M, D=D, st=st, mmd=mmd, REV=REV)
+                                                 s_ptr=s_ptr, xb_ptr=xb_ptr, fr=fr, fi=fi, lr=lr, li=li, N=N, D=D,
+                                                 plane=plane, st=sc, mmd=mmd, REV=REV)
             j += 1
     else:
         for j in range(N):
             n = N - 1 - j if REV else j
             xr, xi, ar, ai, rr, ri = _carry_step(n=n, xr=xr, xi=xi, ar=ar, ai=ai, rr=rr, ri=ri, u_ptr=u_ptr,
-                                                 s_ptr=s_ptr, xb_ptr=xb_ptr, fr=fr, fi=fi, lr=lr, li=li, i_b=i_b,
-                                                 i_h=i_h, N=N, H=H, M=M, D=D, st=st, mmd=mmd, REV=REV)
+                                                 s_ptr=s_ptr, xb_ptr=xb_ptr, fr=fr, fi=fi, lr=lr, li=li, N=N, D=D,
+                                                 plane=plane, st=sc, mmd=mmd, REV=REV)
     tl.store(last_ptr + i_bh * 2 * M * D + st, xr, mask=mmd)
     tl.store(last_ptr + i_bh * 2 * M * D + M * D + st, xi, mask=mmd)
     if REV:
@@ -106,14 +108,14 @@ def _carry_kernel(u_ptr, s_ptr, x0_ptr, xb_ptr, last_ptr, part_ptr, decay_ptr, N
 
 def _carry_triton(u, s, x0, decay, L, rest, rev):
     """One walk of _carry_kernel: (xb or du, last or dx0, part or None)."""
-    B, N, H, _, M, D = u.shape
+    H, _, M, B, N, D = u.shape
     BM, BD = min(next_pow2(M), CARRY_TILE[0]), min(next_pow2(D), CARRY_TILE[1])
     grid = (B * H, triton.cdiv(D, BD), triton.cdiv(M, BM))
     xb = torch.empty_like(u)
     last = u.new_empty(B, H, 2, M, D, dtype=torch.float32)
     part = u.new_empty(B, H, grid[1], 2, 2, M, dtype=torch.float32) if rev else None
     _carry_kernel[grid](u_ptr=u, s_ptr=s if rev else u, x0_ptr=x0 if x0 is not None else u, xb_ptr=xb,
-                        last_ptr=last, part_ptr=part if rev else last, decay_ptr=decay, N=N, H=H, M=M, D=D, L=L,
+                        last_ptr=last, part_ptr=part if rev else last, decay_ptr=decay, B=B, N=N, H=H, M=M, D=D, L=L,
                         REST=rest, BM=BM, BD=BD, HAS_INIT=x0 is not None, REV=rev, INTERPRET=interpreting())
     return xb, last, part
 
@@ -124,10 +126,10 @@ def _pairs(z: torch.Tensor, dim: int) -> torch.Tensor:
 
 def _carry_torch(u, s, x0, decay, L, rest, rev):
     """_carry_kernel's walk as a torch loop over chunks (CPU tensors), in complex64."""
-    B, N, H, _, M, D = u.shape
+    H, _, M, B, N, D = u.shape
     lam = torch.exp(_complex(decay).to(torch.complex128) * torch.tensor([[[L]], [[rest]]], dtype=torch.float64))
     lam = (lam.conj() if rev else lam).to(torch.complex64)[:, None, :, :, None]  # [2, 1, H, M, 1]
-    zs = torch.complex(u[:, :, :, 0].float(), u[:, :, :, 1].float())
+    zs = torch.complex(u[:, 0].float(), u[:, 1].float()).permute(2, 3, 0, 1, 4)  # [B, N, H, M, D]
     x = (torch.complex(x0[:, :, 0], x0[:, :, 1]) if x0 is not None
          else torch.zeros(B, H, M, D, dtype=torch.complex64, device=u.device))
     out = torch.empty_like(zs)
@@ -136,10 +138,11 @@ def _carry_torch(u, s, x0, decay, L, rest, rev):
         out[:, n] = x
         last = int(n == N - 1)
         if rev:
-            part[last] += (torch.complex(s[:, n, :, 0].float(), s[:, n, :, 1].float()).conj() * x).sum(-1)
+            sn = s[:, :, :, :, n].permute(3, 0, 1, 2, 4)  # [B, H, 2, M, D]
+            part[last] += (torch.complex(sn[:, :, 0].float(), sn[:, :, 1].float()).conj() * x).sum(-1)
         x = lam[last] * x + zs[:, n]
     parts = _pairs(part.permute(1, 2, 0, 3), 3)[:, :, None] if rev else None  # [B, H, 1, 2, 2, M]
-    return _pairs(out, 3).to(u.dtype), _pairs(x, 2), parts
+    return _pairs(out, 3).permute(2, 3, 4, 0, 1, 5).contiguous().to(u.dtype), _pairs(x, 2), parts
 
 
 def _walk(u, s, x0, decay, L, rest, rev):
@@ -150,16 +153,17 @@ def _walk(u, s, x0, decay, L, rest, rev):
 @torch.library.custom_op("megahybrid::s4d_carry", mutates_args=())
 def s4d_carry(u: torch.Tensor, decay: torch.Tensor, x0: torch.Tensor | None, L: int, rest: int
               ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The chunk-to-chunk recurrence: u [B, N, H, 2, M, D] (each chunk's end state from zero), decay [H, M, 2], x0
-    [B, H, 2, M, D] fp32 or None -> (xb [B, N, H, 2, M, D] in u's dtype: the state before each chunk, last
-    [B, H, 2, M, D] fp32: the state after the last chunk, which is REST = rest tokens long)."""
+    """The chunk-to-chunk recurrence: u [H, 2, M, B, N, D] (each chunk's end state from zero; head-major, the layout
+    of the per-head products that make and read it), decay [H, M, 2], x0 [B, H, 2, M, D] fp32 or None ->
+    (xb [H, 2, M, B, N, D] in u's dtype: the state before each chunk, last [B, H, 2, M, D] fp32: the state after
+    the last chunk, which is REST = rest tokens long)."""
     xb, last, _ = _walk(u, None, x0, decay, L, rest, False)
     return xb, last
 
 
 @s4d_carry.register_fake
 def _(u, decay, x0, L, rest):
-    B, N, H, _, M, D = u.shape
+    H, _, M, B, N, D = u.shape
     return u.new_empty(u.shape), u.new_empty(B, H, 2, M, D, dtype=torch.float32)
 
 
@@ -178,7 +182,7 @@ def s4d_carry_bwd(dxb: torch.Tensor, xb: torch.Tensor, decay: torch.Tensor, dlas
 
 @s4d_carry_bwd.register_fake
 def _(dxb, xb, decay, dlast, L, rest):
-    B, N, H, _, M, D = dxb.shape
+    H, _, M, B, N, D = dxb.shape
     return dxb.new_empty(dxb.shape), decay.new_empty(decay.shape), dxb.new_empty(B, H, 2, M, D, dtype=torch.float32)
 
 
@@ -229,16 +233,18 @@ def s4d_contraction_chunked(x, decay, b, c, initial_state=None, output_final_sta
     xp = (F.pad(x, (0, 0, 0, 0, 0, N * L - T)) if N * L > T else x).reshape(B, N, L, H, D)
     kernel = torch.einsum("thk,hkd->thd", _stack(pw[:L], -1), _stack((cc * bc[..., None]).conj(), 1))
     y = torch.einsum("ijhd,bnjhd->bnihd", _toeplitz(kernel).to(dt), xp)
-    u = torch.einsum("jhk,bnjhd->bnhkd", _stack(pw[:L].flip(0) * bc, -1).to(dt), xp)
+    # the chunk states head-major, [H, 2M, B, N, D]: the natural output of the per-head product that makes them and
+    # the operand layout of the one that reads them, so neither needs a transposed copy
+    u = torch.einsum("jhk,bnjhd->hkbnd", _stack(pw[:L].flip(0) * bc, -1).to(dt), xp)
     if rest < L:
-        u_last = torch.einsum("jhk,bjhd->bhkd", _tail_weights(pw, bc, rest).to(dt), xp[:, -1])
-        u = torch.cat((u[:, :-1], u_last[:, None]), 1)
+        u_last = torch.einsum("jhk,bjhd->hkbd", _tail_weights(pw, bc, rest).to(dt), xp[:, -1])
+        u = torch.cat((u[:, :, :, :-1], u_last[:, :, :, None]), 3)
     x0 = initial_state.transpose(2, 3).float().contiguous() if initial_state is not None else None
-    xb, last = s4d_carry(u.reshape(B, N, H, 2, M, D).contiguous(), decay.float().contiguous(), x0, L, rest)
-    cr, ci = c[..., 0].float(), c[..., 1].float()  # [H, M, D]
-    xr, xi = xb[:, :, :, 0].float(), xb[:, :, :, 1].float()
-    g = torch.cat((cr * xr - ci * xi, cr * xi + ci * xr), 3)  # c xb as (re, im) [B, N, H, 2M, D]
+    xb, last = s4d_carry(u.reshape(H, 2, M, B, N, D).contiguous(), decay.float().contiguous(), x0, L, rest)
+    cr, ci = (c[..., i].float()[:, :, None, None] for i in (0, 1))  # [H, M, 1, 1, D]
+    xr, xi = xb[:, 0].float(), xb[:, 1].float()
+    g = torch.cat((cr * xr - ci * xi, cr * xi + ci * xr), 1)  # c xb as (re, im) [H, 2M, B, N, D]
     readout = torch.cat((pw[1:].real, -pw[1:].imag), -1)  # Re(lambda^(i+1) g) = (re, -im) . (g_re, g_im)
-    y = y.float() + torch.einsum("ihk,bnhkd->bnihd", readout.to(dt), g.to(dt)).float()
+    y = y.float() + torch.einsum("ihk,hkbnd->bnihd", readout.to(dt), g.to(dt)).float()
     y = y.reshape(B, N * L, H, D)[:, :T].to(dt)
     return y, (last.transpose(2, 3).contiguous() if output_final_state else None)

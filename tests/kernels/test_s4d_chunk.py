@@ -73,8 +73,8 @@ def test_chunked_slow_decay_long_sequence():
 
 def _walk_case(rev, seed=0, B=2, N=5, H=2, M=40, D=70):
     g = torch.Generator().manual_seed(seed)
-    u = torch.randn(B, N, H, 2, M, D, generator=g)
-    s = torch.randn(B, N, H, 2, M, D, generator=g) if rev else None
+    u = torch.randn(H, 2, M, B, N, D, generator=g)
+    s = torch.randn(H, 2, M, B, N, D, generator=g) if rev else None
     x0 = torch.randn(B, H, 2, M, D, generator=g)
     decay = torch.stack((-torch.rand(H, M, generator=g) * 0.2, torch.randn(H, M, generator=g)), -1)
     return u, s, x0, decay
