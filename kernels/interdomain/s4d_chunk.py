@@ -241,10 +241,12 @@ def s4d_contraction_chunked(x, decay, b, c, initial_state=None, output_final_sta
         u = torch.cat((u[:, :, :, :-1], u_last[:, :, :, None]), 3)
     x0 = initial_state.transpose(2, 3).float().contiguous() if initial_state is not None else None
     xb, last = s4d_carry(u.reshape(H, 2, M, B, N, D).contiguous(), decay.float().contiguous(), x0, L, rest)
-    cr, ci = (c[..., i].float()[:, :, None, None] for i in (0, 1))  # [H, M, 1, 1, D]
-    xr, xi = xb[:, 0].float(), xb[:, 1].float()
-    g = torch.cat((cr * xr - ci * xi, cr * xi + ci * xr), 1)  # c xb as (re, im) [H, 2M, B, N, D]
+    # c xb as (re, im) [H, 2M, B, N, D], in x's dtype: autograd then keeps views of xb (the op keeps xb anyway), not
+    # fp32 copies of it (compiled, inductor computes it in fp32 and rounds once either way)
+    cr, ci = (c[..., i].to(dt)[:, :, None, None] for i in (0, 1))  # [H, M, 1, 1, D]
+    xr, xi = xb[:, 0], xb[:, 1]
+    g = torch.cat((cr * xr - ci * xi, cr * xi + ci * xr), 1)
     readout = torch.cat((pw[1:].real, -pw[1:].imag), -1)  # Re(lambda^(i+1) g) = (re, -im) . (g_re, g_im)
-    y = y.float() + torch.einsum("ihk,hkbnd->bnihd", readout.to(dt), g.to(dt)).float()
+    y = y.float() + torch.einsum("ihk,hkbnd->bnihd", readout.to(dt), g).float()
     y = y.reshape(B, N * L, H, D)[:, :T].to(dt)
     return y, (last.transpose(2, 3).contiguous() if output_final_state else None)
