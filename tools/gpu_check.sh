@@ -2,7 +2,7 @@
 # The GPU checks a device session runs, each part fitting one call: every gpu-marked test (each kernel's backward
 # against the fp32 reference ON the GPU: Triton 3.6 on Hopper miscompiles some layouts silently), then the
 # Interdomain benchmark. Run from the repo root on the device machine with `.whl` carried:
-#   MEGAHYBRID_COMMIT=<hash> bash tools/gpu_check.sh [pending|s4d|s4d-train|prefill-seg|scope|mixers|gdn-probe|cp|kernels|stack|bench|paper|precision|recall|recall-diag|all]
+#   MEGAHYBRID_COMMIT=<hash> bash tools/gpu_check.sh [pending|s4d|s4d-train|prefill-seg|segments-train|scope|mixers|gdn-probe|cp|kernels|stack|bench|paper|precision|recall|recall-diag|all]
 # pending: the GPU tests of what changed since the last H200 run; kernels: tests/kernels (about 4 minutes); stack:
 # the other gpu tests, which train, export and decode models in subprocesses (about 5 minutes); all: both then
 # bench, more than one call's 10 minutes. The tests run in 14 processes (pytest-xdist, in the device image): one
@@ -50,6 +50,13 @@ if [ "$mode" = prefill-seg ]; then  # #14: model.nats.gdn_segments (session 20, 
   timeout -k 5 540 python3 tools/bench_nats_layer.py --prefill-only --compile --gdn-segments 1,8,16 2>&1 |
     grep -v -i warn | tail -8
   cp tools/results/nats-layer-prefill.* "${OUT:-/tmp}/"
+fi
+if [ "$mode" = segments-train ]; then  # #14/#20: natsl-340m's `G` at 16K in micro-batches of 1 (6 GDN rows per call
+  # of the state kernels, as the prefill) through `megahybrid train`'s step, with and without model.nats.gdn_segments
+  timeout -k 5 575 python3 tools/bench_train.py --no-baseline --name bench_train-gdn-segments --budget-s 550 \
+    --row-timeout-s 270 --rows natsl-340m@G:none:1:16384 natsl-340m@G+nats.gdn_segments=4:none:1:16384 2>&1 |
+    grep -v -i warn | tail -6
+  cp tools/results/bench_train-gdn-segments.* "${OUT:-/tmp}/"
 fi
 if [ "$mode" = scope ]; then  # #15/#20: train.compile_scope=layers against the default whole-model compile, warm-up
   # and tok/s (session 19: natsl-340m's whole-model warm-up took 247 s, N's over 260 s; bench_train-mixers.md has
