@@ -218,35 +218,51 @@ def _tail_weights(pw: torch.Tensor, bc: torch.Tensor, rest: int) -> torch.Tensor
     return F.pad(_stack(w, -1), (0, 0, 0, 0, 0, L - rest))
 
 
+def _intra(xp, pw, bc, cc):
+    """Each chunk's own part, sum_{j <= i} K[i - j] x_j with K[tau] = Re(sum_m c b lambda^tau): per-channel
+    Toeplitz products, [B, N, L, H, D] in x's dtype."""
+    L = xp.shape[2]
+    kernel = torch.einsum("thk,hkd->thd", _stack(pw[:L], -1), _stack((cc * bc[..., None]).conj(), 1))
+    return torch.einsum("ijhd,bnjhd->bnihd", _toeplitz(kernel).to(xp.dtype), xp)
+
+
+def _chunk_ends(xp, pw, bc, rest):
+    """u[n] = sum_j b lambda^(L-1-j) x_{nL+j} (the last chunk: rest tokens), head-major [H, 2, M, B, N, D]: the
+    natural output of this per-head product and the operand layout of _inter's, so neither needs a transposed copy."""
+    B, N, L, H, D = xp.shape
+    dt = xp.dtype
+    u = torch.einsum("jhk,bnjhd->hkbnd", _stack(pw[:L].flip(0) * bc, -1).to(dt), xp)
+    if rest < L:
+        u_last = torch.einsum("jhk,bjhd->hkbd", _tail_weights(pw, bc, rest).to(dt), xp[:, -1])
+        u = torch.cat((u[:, :, :, :-1], u_last[:, :, :, None]), 3)
+    return u.reshape(H, 2, -1, B, N, D).contiguous()
+
+
+def _inter(xb, pw, c):
+    """What the states before each chunk add, Re(sum_m lambda^(i+1) c xb[n]): [B, N, L, H, D] in xb's dtype. c xb is
+    formed in that dtype, so eager autograd keeps views of xb (which the carry keeps anyway), not fp32 copies of it
+    (compiled, inductor computes it in fp32 and rounds once either way)."""
+    cr, ci = (c[..., i].to(xb.dtype)[:, :, None, None] for i in (0, 1))  # [H, M, 1, 1, D]
+    xr, xi = xb[:, 0], xb[:, 1]
+    g = torch.cat((cr * xr - ci * xi, cr * xi + ci * xr), 1)  # (re, im) [H, 2M, B, N, D]
+    readout = torch.cat((pw[1:].real, -pw[1:].imag), -1)  # Re(lambda^(i+1) g) = (re, -im) . (g_re, g_im)
+    return torch.einsum("ihk,hkbnd->bnihd", readout.to(xb.dtype), g)
+
+
 def s4d_contraction_chunked(x, decay, b, c, initial_state=None, output_final_state=False, chunk_size=64):
     """S4D contraction in chunks of `chunk_size` tokens (same arguments and results as s4d.s4d_contraction).
     Products run in x's dtype (16-bit x: 16-bit operands, fp32 accumulation, as the Interdomain op's kernels),
     the chunk-to-chunk recurrence in fp32."""
     check_s4d_inputs(x, decay, b, c, initial_state)
     B, T, H, D = x.shape
-    M, L = decay.shape[1], chunk_size
+    L = chunk_size
     N = -(-T // L)
     rest = T - (N - 1) * L
-    dt = x.dtype
     pw = _powers(decay, L + 1)  # lambda^tau, tau = 0..L, [L + 1, H, M]
     bc, cc = _complex(b), _complex(c)
     xp = (F.pad(x, (0, 0, 0, 0, 0, N * L - T)) if N * L > T else x).reshape(B, N, L, H, D)
-    kernel = torch.einsum("thk,hkd->thd", _stack(pw[:L], -1), _stack((cc * bc[..., None]).conj(), 1))
-    y = torch.einsum("ijhd,bnjhd->bnihd", _toeplitz(kernel).to(dt), xp)
-    # the chunk states head-major, [H, 2M, B, N, D]: the natural output of the per-head product that makes them and
-    # the operand layout of the one that reads them, so neither needs a transposed copy
-    u = torch.einsum("jhk,bnjhd->hkbnd", _stack(pw[:L].flip(0) * bc, -1).to(dt), xp)
-    if rest < L:
-        u_last = torch.einsum("jhk,bjhd->hkbd", _tail_weights(pw, bc, rest).to(dt), xp[:, -1])
-        u = torch.cat((u[:, :, :, :-1], u_last[:, :, :, None]), 3)
     x0 = initial_state.transpose(2, 3).float().contiguous() if initial_state is not None else None
-    xb, last = s4d_carry(u.reshape(H, 2, M, B, N, D).contiguous(), decay.float().contiguous(), x0, L, rest)
-    # c xb as (re, im) [H, 2M, B, N, D], in x's dtype: autograd then keeps views of xb (the op keeps xb anyway), not
-    # fp32 copies of it (compiled, inductor computes it in fp32 and rounds once either way)
-    cr, ci = (c[..., i].to(dt)[:, :, None, None] for i in (0, 1))  # [H, M, 1, 1, D]
-    xr, xi = xb[:, 0], xb[:, 1]
-    g = torch.cat((cr * xr - ci * xi, cr * xi + ci * xr), 1)
-    readout = torch.cat((pw[1:].real, -pw[1:].imag), -1)  # Re(lambda^(i+1) g) = (re, -im) . (g_re, g_im)
-    y = y.float() + torch.einsum("ihk,hkbnd->bnihd", readout.to(dt), g).float()
-    y = y.reshape(B, N * L, H, D)[:, :T].to(dt)
+    xb, last = s4d_carry(_chunk_ends(xp, pw, bc, rest), decay.float().contiguous(), x0, L, rest)
+    y = _intra(xp, pw, bc, cc).float() + _inter(xb, pw, c).float()
+    y = y.reshape(B, N * L, H, D)[:, :T].to(x.dtype)
     return y, (last.transpose(2, 3).contiguous() if output_final_state else None)
