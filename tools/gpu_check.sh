@@ -44,10 +44,10 @@ if [ "$mode" = s4d-train ]; then  # #12/#13: 125M `D` through `megahybrid train`
   cp tools/results/bench_train-s4d.* "${OUT:-/tmp}/"
 fi
 if [ "$mode" = prefill-seg ]; then  # #14: model.nats.gdn_segments (session 20, never run on a GPU): its GPU tests, then
-  # the 128K prefill of natsl-340m's Hybrid at 1, 8 and 16 segments against `S`, eager, graphed and compiled (the
+  # the 128K prefill of natsl-340m's Hybrid at 1 and 8 segments against `S`, eager, graphed and compiled (the
   # compiled 4.29x at 6d2c00a had the GDN state kernel at 111 of 415 ms, latency-bound on 96 programs)
   run_tests segments tests/layers/test_gdn_segments.py
-  timeout -k 5 540 python3 tools/bench_nats_layer.py --prefill-only --compile --gdn-segments 1,8,16 2>&1 |
+  timeout -k 5 540 python3 tools/bench_nats_layer.py --prefill-only --compile --gdn-segments 1,8 2>&1 |
     grep -v -i warn | tail -8
   cp tools/results/nats-layer-prefill.* "${OUT:-/tmp}/"
 fi
