@@ -43,13 +43,10 @@ SMOKE = Setup(tokens=512, heads=(2,), contexts=(256,), modes=8, channels=16, hea
 def check(setup: Setup) -> dict:
     """Relative RMS errors of the chunked contraction in setup's dtype against the fp32 FFT (T = 1000: a partial
     chunk), every gradient included."""
-    from tests.kernels.test_s4d import _inputs
-    from tests.kernels.test_s4d_chunk import _run
+    from tests.kernels.test_s4d_chunk import _gpu_case, _run
     from tests.utils import rel_rms_error
 
-    x, decay, b, c, s0 = _inputs(B=2, T=1000, H=4, M=setup.modes, D=setup.channels, seed=3)
-    decay = torch.stack((-torch.rand_like(decay[..., 0]) * 0.1 - 1e-3, decay[..., 1]), -1)
-    inputs = [t.to(setup.device) for t in (x, decay, b / setup.modes ** 0.5, c / setup.modes ** 0.5, s0)]
+    inputs = _gpu_case(torch.float32, 1000, M=setup.modes, D=setup.channels, device=setup.device)
     got = _run(s4d_contraction_chunked, [inputs[0].to(setup.dtype)] + inputs[1:])
     want = _run(s4d_contraction, inputs)
     names = ("y", "state", "dx", "ddecay", "db", "dc", "ds0")

@@ -403,8 +403,8 @@ def resolved_compile(cfg: RunConfig, has_gpu: bool, ds: dict) -> bool:
     value = cfg.train.compile
     from megahybrid.train import compile_cache
 
-    if compile_cache.check(cfg.train.compile_cache):
-        raise ConfigError(compile_cache.check(cfg.train.compile_cache))
+    if error := compile_cache.check(cfg.train.compile_cache):
+        raise ConfigError(error)
     if cfg.train.compile_scope not in COMPILE_SCOPES:
         raise ConfigError(f"train.compile_scope={cfg.train.compile_scope!r}: choose {' or '.join(COMPILE_SCOPES)}")
     if value not in (True, False, "auto"):

@@ -325,7 +325,7 @@ class Trainer:
         notes = [f"by {scope}"] if scope != "model" else []
         notes += [f"cache {self.compile_cache}"]
         notes += [f"eager mixers: {eager}"] if eager else []
-        return f"True({'; '.join(notes)})" if notes else "True"
+        return f"True({'; '.join(notes)})"
 
     def print_start(self) -> None:
         if not self.is_logger:
@@ -358,15 +358,16 @@ class Trainer:
         batches = iter(self.loader)
         self.logger.start(self.step)
         code, last_saved = EXIT_OK, self.step if self.resume_tag else None
-        first = self.compiled
+        first_compiled = self.compiled
         while self.step < self.cfg.train.steps:
             start = time.monotonic()
             result = self.train_step(batches)
             if self.cfg.debug.sleep_per_step:
                 time.sleep(self.cfg.debug.sleep_per_step)
             self._log(result, time.monotonic() - start)
-            if first:
-                first = self._report_compile(time.monotonic() - start)
+            if first_compiled:
+                self._report_compile(time.monotonic() - start)
+                first_compiled = False
             if self.step % self.cfg.eval.interval == 0:
                 self._evaluate_and_log()
             if result["stop"] or self.consecutive_nonfinite >= self.cfg.train.max_consecutive_nonfinite:
@@ -384,11 +385,10 @@ class Trainer:
         self._report_end(code, path)
         return code
 
-    def _report_compile(self, seconds: float) -> bool:
+    def _report_compile(self, seconds: float) -> None:
         """After the first compiled step: its time and how much of the compilation the cache served."""
         cached = compile_cache.summary()
         say(self.is_logger, f"first step {seconds:.1f} s with torch.compile" + (f" ({cached})" if cached else ""))
-        return False
 
     def _evaluate_and_log(self) -> None:
         values = self.evaluate()

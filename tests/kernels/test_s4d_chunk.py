@@ -103,11 +103,11 @@ def test_bad_shapes_name_the_fix():
         s4d_contraction_chunked(x, decay, b, c[:, :, :2])
 
 
-def _gpu_case(dtype, T, B=2, H=4, M=64, D=128, seed=3):
+def _gpu_case(dtype, T, B=2, H=4, M=64, D=128, seed=3, device="cuda"):
     x, decay, b, c, s0 = _inputs(B=B, T=T, H=H, M=M, D=D, seed=seed)
     decay = torch.stack((-torch.rand_like(decay[..., 0]) * 0.1 - 1e-3, decay[..., 1]), -1)  # S4D-like |lambda|
     b, c = b / M ** 0.5, c / M ** 0.5
-    return [t.cuda() for t in (x.to(dtype), decay, b, c, s0)]
+    return [t.to(device) for t in (x.to(dtype), decay, b, c, s0)]
 
 
 @pytest.mark.gpu

@@ -49,20 +49,36 @@ def segmented_gdn(q, k, v, g, beta, keep, segments: int, initial_state=None, out
     L = per * CHUNK
     pad = S * L - T
     rows = lambda x: _pad_time(x, pad).reshape(B * S, L, *x.shape[2:])  # noqa: E731
-    values = torch.cat([v.new_zeros(B, T, H, K), v], -1)
     keep = F.pad(keep, (0, S * per - keep.shape[-1]), value=1.0).unflatten(-1, (S, per)).transpose(1, 2)
-    eye = torch.eye(K, device=k.device, dtype=torch.float32).expand(B * S, H, K, K)
-    start = torch.cat([eye, eye.new_zeros(B * S, H, K, V)], -1)
-    o, final = chunk_selected_gdn(rows(q), rows(k), rows(values), rows(g), rows(beta), keep.reshape(B * S, H, per),
-                                  initial_state=start, output_final_state=True, use_qk_l2norm=use_qk_l2norm,
-                                  check_values=check_values)
-    o_map, o_loc = o.split([K, V], -1)
-    transition, local = final.unflatten(0, (B, S)).split([K, V], -1)
-    state = initial_state.float() if initial_state is not None else final.new_zeros(B, H, K, V)
+    o_map, o_loc, transition, local = affine_gdn(rows(q), rows(k), rows(v), rows(g), rows(beta),
+                                                 keep.reshape(B * S, H, per), use_qk_l2norm, check_values)
+    transition, local = transition.unflatten(0, (B, S)), local.unflatten(0, (B, S))
+    state = initial_state.float() if initial_state is not None else local.new_zeros(B, H, K, V)
     starts = []
     for j in range(S):
         starts.append(state)
         state = transition[:, j] @ state + local[:, j]
-    s0 = torch.stack(starts, 1).flatten(0, 1)
-    out = (o_loc.float() + read_start_state(o_map, s0)).to(o.dtype).reshape(B, S * L, H, V)[:, :T]
-    return out, (state if output_final_state else None)
+    out = from_start(o_map, o_loc, torch.stack(starts, 1).flatten(0, 1))
+    return out.reshape(B, S * L, H, V)[:, :T], (state if output_final_state else None)
+
+
+def affine_gdn(q, k, v, g, beta, keep, use_qk_l2norm=True, check_values=True):
+    """The op run so that its results are affine in an unknown start state S_0 (context parallelism's shard summary
+    and the segments above): from [I | 0] with values [0 | v]. Returns o_Phi [B, T, H, K] and o_loc [B, T, H, V]
+    (the outputs are o_loc + S_0^T o_Phi, from_start) and Phi [B, H, K, K], S_loc [B, H, K, V] (S_end = Phi S_0 +
+    S_loc)."""
+    B, T, H, K = k.shape
+    V = v.shape[-1]
+    eye = torch.eye(K, device=k.device, dtype=torch.float32).expand(B, H, K, K)
+    start = torch.cat([eye, eye.new_zeros(B, H, K, V)], -1)
+    values = torch.cat([v.new_zeros(B, T, H, K), v], -1)
+    o, final = chunk_selected_gdn(q, k, values, g, beta, keep, initial_state=start, output_final_state=True,
+                                  use_qk_l2norm=use_qk_l2norm, check_values=check_values)
+    o_map, o_loc = o.split([K, V], -1)
+    transition, local = final.split([K, V], -1)
+    return o_map, o_loc, transition, local
+
+
+def from_start(o_map: torch.Tensor, o_loc: torch.Tensor, s0: torch.Tensor) -> torch.Tensor:
+    """affine_gdn's outputs from the start state s0 [B, H, K, V]: o_loc + S_0^T o_Phi in o_loc's dtype."""
+    return (o_loc.float() + read_start_state(o_map, s0)).to(o_loc.dtype)

@@ -59,9 +59,9 @@ from megahybrid_kernels.nats import chunk_selected_attention, chunk_selected_gdn
 from megahybrid_kernels.nats.attention import SelectedAttentionCache, selected_attention_prefill, selected_attention_step
 from megahybrid.errors import ConfigError
 from megahybrid.model.cp import (
-    gather_sequence, layer_cp_group, prefix_states_matrix, previous_shard_tail, read_start_state)
+    gather_sequence, layer_cp_group, prefix_states_matrix, previous_shard_tail)
 from megahybrid.model.mixers import Mixer
-from megahybrid.model.mixers.gdn_segments import segmented_gdn
+from megahybrid.model.mixers.gdn_segments import affine_gdn, from_start, segmented_gdn
 from megahybrid.model.mixers.shortconv import causal_depthwise_conv
 
 CHUNK = 64  # the selection granularity of NAtS-L and the chunk of both ops
@@ -381,17 +381,9 @@ def _shard_gdn(group):
     state after all earlier shards; the final state is not returned (None)."""
 
     def gdn(q, k, v, g, beta, keep, use_qk_l2norm, check_values=True):
-        B, T, H, K = k.shape
-        V = v.shape[-1]
-        eye = torch.eye(K, device=k.device, dtype=torch.float32).expand(B, H, K, K)
-        start = torch.cat([eye, eye.new_zeros(B, H, K, V)], -1)
-        values = torch.cat([v.new_zeros(B, T, H, K), v], -1)
-        o, final = chunk_selected_gdn(q, k, values, g, beta, keep, initial_state=start, output_final_state=True,
-                                      use_qk_l2norm=use_qk_l2norm, check_values=check_values)
-        o_map, o_local = o.split([K, V], -1)
-        transition, local = final.split([K, V], -1)
+        o_map, o_local, transition, local = affine_gdn(q, k, v, g, beta, keep, use_qk_l2norm, check_values)
         s0 = prefix_states_matrix(local.contiguous(), transition.contiguous(), group)
-        return (o_local.float() + read_start_state(o_map, s0)).to(o.dtype), None
+        return from_start(o_map, o_local, s0), None
 
     return gdn
 
