@@ -40,9 +40,10 @@ class InterdomainOptions:
     # I's input path as fused Triton kernels (kernels/interdomain_input; 1.21x tok/s at 125m on the H200). None: on
     # CUDA tensors, torch steps on the CPU; true: wherever Triton runs, its CPU interpreter too (tests); false: never
     fused_input: bool | None = None
-    # how the linear-contraction readout (`D`, dual-contraction) computes its S4D convolution: "fft" (s4d.py, O(T log
-    # T)) or "chunked" (s4d_chunk.py: 64-token chunks, dense products and a chunk-to-chunk carry, linear in T)
-    contraction: str = "fft"
+    # how the linear-contraction readout (`D`, dual-contraction) computes its S4D convolution: "chunked" (s4d_chunk.py:
+    # 64-token chunks, dense products and a chunk-to-chunk carry, linear in T; 125M `D` trains at 180.2K tok/s on the
+    # H200 against the FFT's 150.9K, tools/results/bench_train-s4d.md) or "fft" (s4d.py, O(T log T))
+    contraction: str = "chunked"
 
     def heads(self, hidden_size: int, model_head_dim: int) -> tuple[int, int, int]:
         """(heads, d_h, R) of the mixer in a model of this width."""
