@@ -339,6 +339,7 @@ def test_results_summary_keeps_going_on_any_json(tmp_path):
     assert "| ppl run (S) | <=64: 12.50, 64-128: 11.00 | trained at 128 | 2026-12-01 | cpu | abc1234 |" in text
     assert "broken | - | unreadable (JSONDecodeError)" in text and "alist | - | not a {meta, rows} record" in text
     assert "tok/s, MFU" in text and "NAtS attention T=4096" in text and "interdomain C=64 T=16384 M=32" in text
+    assert "| D chunked-64 compiled 12 heads T=4096 fwd+bwd | 9.46 ms | Interdomain op 7.29 ms |" in text
     assert "Notes and raw logs (no JSON beside them): [notes.log](notes.log)." in text  # not ppl.md
     assert summary.main(["--results", str(tmp_path), "--check"]) == 0
     (tmp_path / "ppl-2026-12-02.json").write_text(json.dumps(ppl))

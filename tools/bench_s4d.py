@@ -1,11 +1,13 @@
-"""The `D` mixer's S4D contraction on the GPU: the FFT form (s4d.py, the default) against the chunked form
-(s4d_chunk.py) at 64 and 128 tokens per chunk, eager and compiled, next to the Interdomain op at the same heads
+"""The `D` mixer's S4D contraction on the GPU: the FFT form (s4d.py) against the chunked form (s4d_chunk.py, the
+default) at 64 and 128 tokens per chunk (--chunk-sizes), eager and compiled, next to the Interdomain op at the same heads
 (issue #12: `D` as fast as `I`). fwd+bwd at B*T = 65,536 tokens, bf16 inputs, M = 64 modes, D = R + d_h = 128
 channels per head (every preset), 12 heads (125M) and 32 (1.3B), at 4K and 16K.
 
 First a check: the chunked form against the fp32 FFT on this device (output, final state, every gradient; the
 case of tests/kernels/test_s4d_chunk.py's GPU test); a failed check marks every chunked row. Usage:
-python tools/bench_s4d.py [--quick] [--budget-s S]; results in tools/results/bench_s4d.{md,json}. Without a GPU
+python tools/bench_s4d.py [--quick] [--chunk-sizes 32,64] [--profile] [--budget-s S]; results in
+tools/results/bench_s4d.{md,json}; --profile adds the compiled chunked form's kernels at 12 heads, 4K (where its
+time goes). Without a GPU
 (`--smoke`, tests/test_bench_s4d.py): tiny fp32 shapes, eager only, timed with perf_counter.
 """
 import argparse
@@ -77,9 +79,9 @@ def _interdomain_case(setup: Setup, T: int, heads: int):
     return fwd, [q, k, v, decay, b, c], torch.randn_like(v)
 
 
-def variants(compiled: bool = True) -> dict:
+def variants(compiled: bool = True, chunk_sizes: tuple[int, ...] = (64, 128)) -> dict:
     """name -> (contraction, compiled)."""
-    chunked = {f"chunked-{L}": (lambda *a, L=L: s4d_contraction_chunked(*a, chunk_size=L)) for L in (64, 128)}
+    chunked = {f"chunked-{L}": (lambda *a, L=L: s4d_contraction_chunked(*a, chunk_size=L)) for L in chunk_sizes}
     forms = {"fft": s4d_contraction, **chunked}
     out = {n: (f, False) for n, f in forms.items()}
     return {**out, **{f"{n} compiled": (f, True) for n, f in forms.items()}} if compiled else out
@@ -98,13 +100,26 @@ def _time(setup: Setup, fwd, leaves, dy) -> tuple[float, float | str]:
     return statistics.median(times), "n/a"
 
 
-def rows_at(setup: Setup, T: int, heads: int, names, checked: bool) -> list[dict]:
+def profile(setup: Setup, chunk_size: int) -> dict:
+    """Milliseconds per fwd+bwd call of the chunked form's top kernels at the first heads and context (kernel_ms),
+    compiled on the GPU (the smoke run: eager, the ops' CPU time)."""
+    from tools.benchutil import kernel_ms
+
+    leaves, dy = _s4d_case(setup, setup.contexts[0], setup.heads[0])
+    torch._dynamo.reset()
+    fn = lambda *a: s4d_contraction_chunked(*a, chunk_size=chunk_size)[0]  # noqa: E731
+    fn = torch.compile(fn) if setup.device == "cuda" else fn
+    step = lambda: torch.autograd.backward(fn(*leaves), dy)  # noqa: E731
+    step()
+    return kernel_ms(step, top=20)
+
+
+def rows_at(setup: Setup, T: int, heads: int, names, checked: bool, forms: dict) -> list[dict]:
     fwd, leaves, dy = _interdomain_case(setup, T, heads)
     ms, mib = _time(setup, fwd, leaves, dy)
     rows = [{"op": f"I (op, {setup.head_dim} + {setup.head_dim}, readout C)", "heads": heads, "T": T,
              "fwdbwd_ms": ms, "peak_MiB": mib}]
     leaves, dy = _s4d_case(setup, T, heads)
-    forms = variants()
     for name in names:
         contraction, compiled = forms[name]
         fn = lambda *a, f=contraction: f(*a)[0]  # noqa: E731
@@ -125,29 +140,36 @@ def rows_at(setup: Setup, T: int, heads: int, names, checked: bool) -> list[dict
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--quick", action="store_true", help="12 heads only; fft and chunked-64, eager and compiled")
+    ap.add_argument("--quick", action="store_true", help="12 heads only; fft and the first chunk size, eager and compiled")
     ap.add_argument("--smoke", action="store_true", help="no GPU: tiny fp32 shapes on the CPU, eager forms only")
     ap.add_argument("--budget-s", type=float, default=400.0, help="skip the remaining shapes after this many seconds")
+    ap.add_argument("--chunk-sizes", default="64,128", help="the chunked form's tokens per chunk, comma-separated")
+    ap.add_argument("--profile", action="store_true", help="also the kernels of the first chunk size, compiled")
     ap.add_argument("--results-dir", default=None, help="default tools/results")
     args = ap.parse_args()
     setup = SMOKE if args.smoke else Setup()
     start = time.time()
     checked = check(setup)
     print("check (chunked vs fp32 FFT, T = 1000):", checked, flush=True)
-    names = list(variants(compiled=not args.smoke))
+    sizes = tuple(int(s) for s in args.chunk_sizes.split(","))
+    forms = variants(compiled=not args.smoke, chunk_sizes=sizes)
+    names = list(forms)
     if args.quick:
-        names = ["fft", "chunked-64", "fft compiled", "chunked-64 compiled"]
+        names = ["fft", f"chunked-{sizes[0]}", "fft compiled", f"chunked-{sizes[0]} compiled"]
     rows = []
     for heads in setup.heads[:1] if args.quick else setup.heads:
         for T in setup.contexts:
             if time.time() - start > args.budget_s:
                 print(f"skipped {heads} heads T={T}: over the time budget", flush=True)
                 continue
-            rows += rows_at(setup, T, heads, names, checked["ok"])
+            rows += rows_at(setup, T, heads, names, checked["ok"], forms)
             print(format_table(rows[-len(names) - 1:]), flush=True)
     extra = {"shape": f"B*T={setup.tokens}, M={setup.modes}, D={setup.channels} channels per head, "
                       f"{str(setup.dtype).removeprefix('torch.')} x, fp32 parameters; I: K=V={setup.head_dim}, "
                       "full readout C", "check": checked}
+    if args.profile:
+        where = f"{setup.heads[0]} heads, T = {setup.contexts[0]}{', compiled' if setup.device == 'cuda' else ''}"
+        extra[f"kernels of chunked-{sizes[0]}, {where} (ms per call)"] = profile(setup, sizes[0])
     print(save_results("bench_s4d", rows, extra, args.results_dir))
 
 

@@ -22,30 +22,30 @@ run_tests() {  # NAME PATHS...: stops at 290 s with a summary (SIGINT), the log 
 if [ "$mode" = pending ]; then  # every GPU test passed on the H200 (669598c; fla at 513bef4; the Interdomain kernels
   # at ea500e9; session 16's at c7dda94; session 17's at 6d2c00a: gpu-tests-2026-12-02.md row 22). Not yet run there
   # (session 18): model.recompute=full as per-layer torch.utils.checkpoint inside the compiled graph, the 1.3B rows
-  # that megatron's full recomputation ran at 0.57x (bench_train-recompute.md), about 6 minutes. Session 19: the
-  # blocked CP shard summary (zero_start_state) on the TF32 path and in the CP GPU tests, first (about 1 minute)
-  run_tests summary tests/kernels/test_s4d.py tests/test_context_parallel.py
+  # that megatron's full recomputation ran at 0.57x (bench_train-recompute.md), about 6 minutes. (Session 19's
+  # blocked CP shard summary passed its GPU tests at 1440cd6, session 21: gpu-tests-2026-12-02.md row 27.)
   timeout -k 5 480 python3 tools/bench_train.py --rows 1.3b:full:4 1.3b:full:1:16384 --no-baseline \
     --name bench_train-recompute-full --budget-s 450 --row-timeout-s 240 2>&1 | grep -v -i warn | tail -6
   cp tools/results/bench_train-recompute-full.* "${OUT:-/tmp}/"
 fi
-if [ "$mode" = s4d ]; then  # #12: the chunked S4D contraction (session 20, never run on a GPU): its GPU tests (the carry
-  # kernel's backward against the fp32 FFT), then FFT against chunked, eager and compiled, next to the I op (about
-  # 5 minutes); if chunked wins, it becomes model.interdomain.contraction's default and the D suite rows are rerun
+if [ "$mode" = s4d ]; then  # #12: the chunked S4D contraction, D's default since it ran 1.9x the FFT compiled (1440cd6,
+  # session 21, tests 11 passed): its GPU tests, then FFT against chunks of 32 and 64 tokens, eager and compiled,
+  # next to the I op, and where the compiled chunked-32's time goes (about 5 minutes; D's op 9.5 ms, I's 7.3 ms)
   run_tests s4d tests/kernels/test_s4d_chunk.py tests/kernels/test_custom_ops.py
-  timeout -k 5 420 python3 tools/bench_s4d.py --budget-s 300 2>&1 | grep -v -i warn | tail -30
+  timeout -k 5 420 python3 tools/bench_s4d.py --budget-s 300 --chunk-sizes 32,64 --profile 2>&1 | grep -v -i warn |
+    tail -30
   cp tools/results/bench_s4d.* "${OUT:-/tmp}/"
 fi
 if [ "$mode" = s4d-train ]; then  # #12/#13: 125M `D` through `megahybrid train`'s step, FFT and chunked contraction in
-  # one run (the suite's FFT row: 151.8K tok/s at ef94593; its warm-up 183 s)
+  # one run (1440cd6: FFT 150.9K tok/s, chunked 180.2K; warm-ups 183 and 202 s)
   timeout -k 5 575 python3 tools/bench_train.py --no-baseline --name bench_train-s4d --budget-s 550 \
     --row-timeout-s 270 --rows 125m@D:none:8 125m@D+interdomain.contraction=chunked:none:8 2>&1 | grep -v -i warn |
     tail -6
   cp tools/results/bench_train-s4d.* "${OUT:-/tmp}/"
 fi
-if [ "$mode" = prefill-seg ]; then  # #14: model.nats.gdn_segments (session 20, never run on a GPU): its GPU tests, then
-  # the 128K prefill of natsl-340m's Hybrid at 1 and 8 segments against `S`, eager, graphed and compiled (the
-  # compiled 4.29x at 6d2c00a had the GDN state kernel at 111 of 415 ms, latency-bound on 96 programs)
+if [ "$mode" = prefill-seg ]; then  # #14: model.nats.gdn_segments: its GPU tests, then the 128K prefill of natsl-340m's
+  # Hybrid at 1 and 8 segments against `S`, eager, graphed and compiled (1440cd6: compiled 417.2 and 409.7 ms, S
+  # 1788 ms; tests 2 passed once the fp32 case ran the kernels' products in IEEE)
   run_tests segments tests/layers/test_gdn_segments.py
   timeout -k 5 540 python3 tools/bench_nats_layer.py --prefill-only --compile --gdn-segments 1,8 2>&1 |
     grep -v -i warn | tail -8

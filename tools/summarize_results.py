@@ -112,6 +112,17 @@ def _eval_rows(rows, meta):
                f"prefill {_num(r.get('prefill_ms'), '.1f')} ms")
 
 
+def _s4d_rows(rows, meta):
+    """bench_s4d: each compiled contraction against the Interdomain op of the same heads and context."""
+    op_ms = {}
+    for r in rows:
+        if str(r["op"]).startswith("I "):
+            op_ms[r["heads"], r["T"]] = r["fwdbwd_ms"]
+        elif r.get("T") in HEADLINE_T and "compiled" in str(r["op"]) and "fwdbwd_ms" in r:
+            yield (f"{r['op']} {r['heads']} heads T={r['T']} fwd+bwd", f"{_num(r['fwdbwd_ms'], '.2f')} ms",
+                   f"Interdomain op {_num(op_ms.get((r['heads'], r['T'])), '.2f')} ms")
+
+
 # (columns a row must have, rule): the first rule whose columns the first row has.
 RULES = [
     ({"preset", "tok/s"}, _train_rows),
@@ -120,6 +131,7 @@ RULES = [
     ({"fla_fwd_ms", "fwd_ms"}, _gdn_rows),
     ({"task", "accuracy"}, _recall_rows),
     ({"mixer", "eval_tok/s"}, _eval_rows),
+    ({"op", "fwdbwd_ms", "peak_MiB"}, _s4d_rows),
 ]
 
 
