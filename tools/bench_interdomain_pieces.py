@@ -7,11 +7,15 @@ latter: the whole mixer, the input path (projection to the op's q, k~, v~), the 
 kernels (kernels/interdomain_input: projection, then one op for conv, RoPE, xi and norms), the projection alone,
 and each elementwise piece on tensors of the shape it sees (q and k together where both take it), plus the op.
 Each row: median ms of forward + backward with CUDA events, gradients reset between runs (not timed).
+`--pattern D` splits the S4D baseline's mixer the same way (issue #12: `D` as fast as `I`; at 1440cd6 125M `D`
+trained at 180.2K tok/s against `I`'s 227.9K): its input path (projection, short conv of a and b, head norms; no
+RoPE, no feature map), the contraction chunked (the default) and by FFT, and the output projection.
 
-    python tools/bench_interdomain_pieces.py [--preset 125m] [--batch 8] [--seq 4096] [--eager] [--results-dir D]
+    python tools/bench_interdomain_pieces.py [--pattern I|D] [--preset 125m] [--batch 8] [--seq 4096] [--eager]
     python tools/bench_interdomain_pieces.py --preset tiny --batch 1 --seq 128 --eager   # CPU smoke run
-Results: tools/results/interdomain-pieces.{json,md} (date, GPU, commit).
+Results: tools/results/interdomain-pieces.{json,md} (`D`: s4d-pieces; date, GPU, commit).
 """
+import copy
 import argparse
 import os
 import statistics
@@ -101,8 +105,36 @@ def pieces(mixer: InterdomainMixer, B: int, T: int):
     ]
 
 
+def s4d_pieces(mixer: InterdomainMixer, B: int, T: int):
+    """pieces() for the `D` mixer (GenericInput without a query, ContractionReadout)."""
+    d, inputs = mixer.dims, mixer.inputs
+    hidden = leaf(T, B, mixer.config.hidden_size)
+    parts, _ = inputs(hidden, None, 0)
+    op_in = [p.detach().requires_grad_() for p in parts.values()]
+    decay, b = (t.detach() for t in mixer.core.discretized())
+    norms = list(inputs.norms.values())
+    fft = copy.copy(mixer.readout)  # shares C; only the contraction differs
+    fft.contraction = "fft"
+    op = lambda readout: lambda *p: readout(dict(zip(parts, p)), decay, b, None)[0]  # noqa: E731
+    return [
+        ("mixer (all of it)", lambda x: mixer.mix(x)[0], [hidden], list(mixer.parameters())),
+        ("input path (proj, conv, norms)", lambda x: tuple(inputs(x, None, 0)[0].values()), [hidden],
+         list(inputs.parameters())),
+        ("input projection alone", lambda x: inputs.proj(x)[0], [hidden], list(inputs.proj.parameters())),
+        ("short conv of a and b", lambda x: causal_depthwise_conv(x, inputs.conv.reshape(-1, d.conv_size))[0],
+         [leaf(B, T, d.n_local * inputs.conv_width)], [inputs.conv]),
+        ("head norm + bias of a and b", lambda x, y: (norms[0](x).to(x.dtype), norms[1](y).to(y.dtype)),
+         [leaf(B, T, d.n_local, d.R), leaf(B, T, d.n_local, d.dh)], [p for n in norms for p in n.parameters()]),
+        (f"op (contraction {mixer.readout.contraction})", op(mixer.readout), op_in, [mixer.readout.C]),
+        ("op (contraction fft)", op(fft), op_in, [mixer.readout.C]),
+        ("output projection", lambda x: mixer.out(x)[0], [leaf(T, B, d.n_local * mixer.readout.out_width())],
+         list(mixer.out.parameters())),
+    ]
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--pattern", default="I", choices=("I", "D"), help="the mixer to split")
     parser.add_argument("--preset", default="125m")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=4096)
@@ -110,18 +142,19 @@ def main():
     parser.add_argument("--results-dir", default=None, help="default tools/results")
     args = parser.parse_args()
     layout = init_distributed(ParallelLayout()).layout
-    cfg = preset(args.preset, pattern="I", seq_length=args.seq, num_layers=1)
+    cfg = preset(args.preset, pattern=args.pattern, seq_length=args.seq, num_layers=1)
     model = build_model(cfg, layout, "bf16")
     mixer = next(m for m in model.modules() if isinstance(m, InterdomainMixer))
     rows = []
-    for name, fn, inputs, params in pieces(mixer, args.batch, args.seq):
+    for name, fn, inputs, params in (pieces if args.pattern == "I" else s4d_pieces)(mixer, args.batch, args.seq):
         step, leaves = fwd_bwd(fn if args.eager else torch.compile(fn), inputs, params)
         ms = timed_ms(step, leaves)
         rows.append({"piece": name, "fwd+bwd ms": ms, "per 65K tokens ms": ms * 65536 / (args.batch * args.seq)})
         print(format_table(rows[-1:]), flush=True)
     print(format_table(rows))
-    print(save_results("interdomain-pieces", rows, {"preset": args.preset, "batch": args.batch, "seq": args.seq,
-                                                   "compiled": not args.eager}, args.results_dir))
+    name = "interdomain-pieces" if args.pattern == "I" else "s4d-pieces"
+    print(save_results(name, rows, {"preset": args.preset, "pattern": args.pattern, "batch": args.batch,
+                                    "seq": args.seq, "compiled": not args.eager}, args.results_dir))
     shutdown()
 
 

@@ -2,7 +2,7 @@
 # The GPU checks a device session runs, each part fitting one call: every gpu-marked test (each kernel's backward
 # against the fp32 reference ON the GPU: Triton 3.6 on Hopper miscompiles some layouts silently), then the
 # Interdomain benchmark. Run from the repo root on the device machine with `.whl` carried:
-#   MEGAHYBRID_COMMIT=<hash> bash tools/gpu_check.sh [pending|s4d|s4d-train|prefill-seg|segments-train|scope|mixers|gdn-probe|cp|kernels|stack|bench|paper|precision|recall|recall-diag|all]
+#   MEGAHYBRID_COMMIT=<hash> bash tools/gpu_check.sh [pending|s4d|s4d-pieces|s4d-train|prefill-seg|segments-train|scope|mixers|gdn-probe|cp|kernels|stack|bench|paper|precision|recall|recall-diag|all]
 # pending: the GPU tests of what changed since the last H200 run; kernels: tests/kernels (about 4 minutes); stack:
 # the other gpu tests, which train, export and decode models in subprocesses (about 5 minutes); all: both then
 # bench, more than one call's 10 minutes. The tests run in 14 processes (pytest-xdist, in the device image): one
@@ -36,6 +36,14 @@ if [ "$mode" = s4d ]; then  # #12: the chunked S4D contraction, D's default sinc
     tail -30
   cp tools/results/bench_s4d.* "${OUT:-/tmp}/"
 fi
+if [ "$mode" = s4d-pieces ]; then  # #12/#13: where a 125M `D` layer call's time goes next to `I`'s (8 x 4096 tokens,
+  # compiled): input path, conv, norms, the contraction chunked and by FFT, output projection; D trains at 180.2K
+  # tok/s against I's 227.9K (1440cd6), its op alone 9.5 against 7.3 ms
+  for p in D I; do
+    timeout -k 5 270 python3 tools/bench_interdomain_pieces.py --pattern $p 2>&1 | grep -v -i warn | tail -12
+  done
+  cp tools/results/s4d-pieces.* tools/results/interdomain-pieces.* "${OUT:-/tmp}/"
+fi
 if [ "$mode" = s4d-train ]; then  # #12/#13: 125M `D` through `megahybrid train`'s step, FFT and chunked contraction in
   # one run (1440cd6: FFT 150.9K tok/s, chunked 180.2K; warm-ups 183 and 202 s)
   timeout -k 5 575 python3 tools/bench_train.py --no-baseline --name bench_train-s4d --budget-s 550 \
@@ -45,9 +53,9 @@ if [ "$mode" = s4d-train ]; then  # #12/#13: 125M `D` through `megahybrid train`
 fi
 if [ "$mode" = prefill-seg ]; then  # #14: model.nats.gdn_segments: its GPU tests, then the 128K prefill of natsl-340m's
   # Hybrid at 1 and 8 segments against `S`, eager, graphed and compiled (1440cd6: compiled 417.2 and 409.7 ms, S
-  # 1788 ms; tests 2 passed once the fp32 case ran the kernels' products in IEEE)
-  run_tests segments tests/layers/test_gdn_segments.py
-  timeout -k 5 540 python3 tools/bench_nats_layer.py --prefill-only --compile --gdn-segments 1,8 2>&1 |
+  # 1788 ms; tests 2 passed once the fp32 case ran the kernels' products in IEEE): 8x the state walk's parallelism
+  # gained 2%, so the next run profiles both (kernels and GPU time per module) to find what holds the prefill
+  timeout -k 5 560 python3 tools/bench_nats_layer.py --prefill-only --compile --profile --gdn-segments 1,8 2>&1 |
     grep -v -i warn | tail -8
   cp tools/results/nats-layer-prefill.* "${OUT:-/tmp}/"
 fi
