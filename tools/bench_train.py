@@ -46,7 +46,7 @@ RECOMPUTE = {
     "full": {"recompute": "full"},
 }
 COLUMNS = ["system", "preset", "recompute", "micro", "gas", "seq", "compile", "tok/s", "TFLOP/s", "MFU_989",
-           "MFU_meas", "peak_GiB", "step_s", "warmup_s", "status"]
+           "MFU_meas", "peak_GiB", "step_s", "warmup_s", "status", "commit"]  # commit: where the row was measured
 DEFAULT_ROWS = ["125m:none:8", "350m:none:8", "1.3b:none:4", "1.3b:selective_mlp:4", "1.3b:full:4"]
 # --suite mixers: every mixer in its issue's preset shape, at 4K and 16K (issue #20), 16 x 4096 tokens per step
 MIXER_SUITE = [f"{model}:none:{micro}:{seq}" for seq, scale in ((4096, 1), (16384, 4))
@@ -266,7 +266,9 @@ def main(argv=None) -> int:
         print_row(run_child(json.loads(args.child), args))
         return 0
     from benchutil import format_table, save_results
+    from megahybrid.outputs import git_commit
 
+    here = git_commit()
     deadline = time.monotonic() + args.budget_s
     specs = MIXER_SUITE if args.suite == "mixers" else args.rows
     earlier = _finished_rows(args.continue_from)
@@ -278,6 +280,7 @@ def main(argv=None) -> int:
         left = deadline - time.monotonic()
         timeout = min(left, args.row_timeout_s)
         result = run_row(row, _shared_argv(args), timeout) if left > 10 else {**row, "status": "skipped: budget"}
+        result["commit"] = here
         done.append({column: result.get(column, "") for column in COLUMNS})
         print(format_table([done[-1]]), flush=True)
         save_results(args.name, done, _meta(None), args.results_dir)
@@ -293,14 +296,16 @@ def _row_key(row: dict) -> tuple:
 
 def _finished_rows(path: str | None) -> dict:
     """The ok rows of an earlier results file (--continue-from), by row: a suite longer than one call's time
-    limit runs over several calls, each timing the rows the earlier ones did not."""
+    limit runs over several calls, each timing the rows the earlier ones did not. Each keeps the commit it was
+    measured at (rows of files older than that column: the file's)."""
     if path is None:
         return {}
     try:
-        rows = json.loads(open(path).read())["rows"]
-    except (OSError, ValueError, KeyError) as err:
+        record = json.loads(open(path).read())
+        rows, commit = record["rows"], record["meta"].get("commit", "")
+    except (OSError, ValueError, KeyError, AttributeError) as err:
         raise SystemExit(f"error: --continue-from {path}: not a bench_train results file ({err})") from None
-    return {_row_key(r): r for r in rows if r.get("status") == "ok"}
+    return {_row_key(r): {**r, "commit": r.get("commit") or commit} for r in rows if r.get("status") == "ok"}
 
 
 def _meta(peak) -> dict:
