@@ -597,6 +597,5 @@ S4D = Mixer("D", "S4D", s4d_spec, lambda cfg: sum(_counts(cfg, True).values()), 
             lambda cfg, context: _state_floats(cfg, True), chunk_size=CHUNK, cp=True,
             cp_bytes=lambda cfg, cp, nbytes: _cp_bytes(cfg, cp, nbytes, True),
             cp_flops=lambda cfg, cp: _cp_flops(cfg, cp, True), cache="conv tails + S4D state")
-# D compiled at 125M, 4K, on the H200: 180.2K tok/s with the chunked contraction of s4d_chunk.py (its carry a
-# custom op the graph keeps whole), 150.9K with the FFT (tools/results/bench_train-s4d.md, 2026-12-05). An earlier
-# chunked form ran slower compiled than eager (30.9K against 47.0K, issue #15).
+# D compiled at 125M, 4K, on the H200: 180.2K tok/s with s4d_chunk.py's contraction, 150.9K with the FFT
+# (tools/results/bench_train-s4d.md); an earlier chunked form ran slower compiled than eager (30.9K against 47.0K).
