@@ -15,8 +15,8 @@ RoPE, no feature map), the contraction chunked (the default) and by FFT, and the
     python tools/bench_interdomain_pieces.py --preset tiny --batch 1 --seq 128 --eager   # CPU smoke run
 Results: tools/results/interdomain-pieces.{json,md} (`D`: s4d-pieces; date, GPU, commit).
 """
-import copy
 import argparse
+import copy
 import os
 import statistics
 import sys
