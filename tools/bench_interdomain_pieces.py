@@ -77,58 +77,69 @@ def fused_input_path(inputs, hidden):
     return inputs._fused(x, None, 0)[0]
 
 
-def pieces(mixer: InterdomainMixer, B: int, T: int):
-    """(name, fn, inputs, params) per row: fn takes the inputs and returns tensors to backpropagate through."""
+def _common(mixer: InterdomainMixer, B: int, T: int, convolved: str, normed: str):
+    """The hidden input, a builder of op rows, and the rows both mixers have (the whole mixer, the input projection,
+    the short conv, the head norms, the output projection) by kind; convolved / normed name their segments."""
     d, inputs = mixer.dims, mixer.inputs
-    H, R, dh, conv_width = d.n_local, d.R, d.dh, inputs.conv_width
     hidden = leaf(T, B, mixer.config.hidden_size)
     parts, _ = inputs(hidden, None, 0)
     op_in = [p.detach().requires_grad_() for p in parts.values()]
     decay, b = (t.detach() for t in mixer.core.discretized())
     norms = list(inputs.norms.values())
+
+    def op_row(name, readout):
+        return name, lambda *p: readout(dict(zip(parts, p)), decay, b, None)[0], op_in, list(readout.parameters())
+
+    rows = {
+        "mixer": ("mixer (all of it)", lambda x: mixer.mix(x)[0], [hidden], list(mixer.parameters())),
+        "proj": ("input projection alone", lambda x: inputs.proj(x)[0], [hidden], list(inputs.proj.parameters())),
+        "conv": (f"short conv of {convolved}",
+                 lambda x: causal_depthwise_conv(x, inputs.conv.reshape(-1, d.conv_size))[0],
+                 [leaf(B, T, d.n_local * inputs.conv_width)], [inputs.conv]),
+        "norm": (f"head norm + bias of {normed}", lambda x, y: (norms[0](x).to(x.dtype), norms[1](y).to(y.dtype)),
+                 [leaf(B, T, d.n_local, d.R), leaf(B, T, d.n_local, d.dh)], [p for n in norms for p in n.parameters()]),
+        "out": ("output projection", lambda x: mixer.out(x)[0], [leaf(T, B, d.n_local * mixer.readout.out_width())],
+                list(mixer.out.parameters())),
+    }
+    return hidden, op_row, rows
+
+
+def pieces(mixer: InterdomainMixer, B: int, T: int):
+    """(name, fn, inputs, params) per row: fn takes the inputs and returns tensors to backpropagate through."""
+    inputs, H, R = mixer.inputs, mixer.dims.n_local, mixer.dims.R
+    hidden, op_row, c = _common(mixer, B, T, "q and k", "k~ and v")
     return [
-        ("mixer (all of it)", lambda x: mixer.mix(x)[0], [hidden], list(mixer.parameters())),
+        c["mixer"],
         ("input path (proj, conv, RoPE, xi, norms)", lambda x: tuple(inputs(x, None, 0)[0].values()), [hidden],
          list(inputs.parameters())),
         ("input path, fused kernel", lambda x: tuple(fused_input_path(inputs, x).values()), [hidden],
          list(inputs.parameters())),
-        ("input projection alone", lambda x: inputs.proj(x)[0], [hidden], list(inputs.proj.parameters())),
-        ("short conv of q and k", lambda x: causal_depthwise_conv(x, inputs.conv.reshape(-1, d.conv_size))[0],
-         [leaf(B, T, H * conv_width)], [inputs.conv]),
+        c["proj"],
+        c["conv"],
         ("RoPE of q and k", lambda x: rope(x, 0, inputs.rope_base), [leaf(B, T, 2 * H, R)], []),
         ("feature map of q and k", lambda x: feature_map(x).to(torch.bfloat16), [leaf(B, T, 2 * H, R)], []),
-        ("head norm + bias of k~ and v", lambda x, y: (norms[0](x).to(x.dtype), norms[1](y).to(y.dtype)),
-         [leaf(B, T, H, R), leaf(B, T, H, dh)], [p for n in norms for p in n.parameters()]),
-        ("op (interdomain_attention)", lambda *p: mixer.readout(dict(zip(parts, p)), decay, b, None)[0], op_in,
-         list(mixer.readout.parameters())),
-        ("output projection", lambda x: mixer.out(x)[0], [leaf(T, B, H * dh)], list(mixer.out.parameters())),
+        c["norm"],
+        op_row("op (interdomain_attention)", mixer.readout),
+        c["out"],
     ]
 
 
 def s4d_pieces(mixer: InterdomainMixer, B: int, T: int):
-    """pieces() for the `D` mixer (GenericInput without a query, ContractionReadout)."""
-    d, inputs = mixer.dims, mixer.inputs
-    hidden = leaf(T, B, mixer.config.hidden_size)
-    parts, _ = inputs(hidden, None, 0)
-    op_in = [p.detach().requires_grad_() for p in parts.values()]
-    decay, b = (t.detach() for t in mixer.core.discretized())
-    norms = list(inputs.norms.values())
+    """pieces() for the `D` mixer (GenericInput without a query, ContractionReadout), its contraction both ways."""
+    inputs = mixer.inputs
+    hidden, op_row, c = _common(mixer, B, T, "a and b", "a and b")
     fft = copy.copy(mixer.readout)  # shares C; only the contraction differs
     fft.contraction = "fft"
-    op = lambda readout: lambda *p: readout(dict(zip(parts, p)), decay, b, None)[0]  # noqa: E731
     return [
-        ("mixer (all of it)", lambda x: mixer.mix(x)[0], [hidden], list(mixer.parameters())),
+        c["mixer"],
         ("input path (proj, conv, norms)", lambda x: tuple(inputs(x, None, 0)[0].values()), [hidden],
          list(inputs.parameters())),
-        ("input projection alone", lambda x: inputs.proj(x)[0], [hidden], list(inputs.proj.parameters())),
-        ("short conv of a and b", lambda x: causal_depthwise_conv(x, inputs.conv.reshape(-1, d.conv_size))[0],
-         [leaf(B, T, d.n_local * inputs.conv_width)], [inputs.conv]),
-        ("head norm + bias of a and b", lambda x, y: (norms[0](x).to(x.dtype), norms[1](y).to(y.dtype)),
-         [leaf(B, T, d.n_local, d.R), leaf(B, T, d.n_local, d.dh)], [p for n in norms for p in n.parameters()]),
-        (f"op (contraction {mixer.readout.contraction})", op(mixer.readout), op_in, [mixer.readout.C]),
-        ("op (contraction fft)", op(fft), op_in, [mixer.readout.C]),
-        ("output projection", lambda x: mixer.out(x)[0], [leaf(T, B, d.n_local * mixer.readout.out_width())],
-         list(mixer.out.parameters())),
+        c["proj"],
+        c["conv"],
+        c["norm"],
+        op_row(f"op (contraction {mixer.readout.contraction})", mixer.readout),
+        op_row("op (contraction fft)", fft),
+        c["out"],
     ]
 
 

@@ -1,6 +1,6 @@
 """The `D` mixer's S4D contraction on the GPU: the FFT form (s4d.py) against the chunked form (s4d_chunk.py, the
-default) at 64 and 128 tokens per chunk (--chunk-sizes), eager and compiled, next to the Interdomain op at the same heads
-(issue #12: `D` as fast as `I`). fwd+bwd at B*T = 65,536 tokens, bf16 inputs, M = 64 modes, D = R + d_h = 128
+default) at 64 and 128 tokens per chunk (--chunk-sizes), eager and compiled, next to the Interdomain op at the same
+heads (issue #12: `D` as fast as `I`). fwd+bwd at B*T = 65,536 tokens, bf16 inputs, M = 64 modes, D = R + d_h = 128
 channels per head (every preset), 12 heads (125M) and 32 (1.3B), at 4K and 16K.
 
 First a check: the chunked form against the fp32 FFT on this device (output, final state, every gradient; the
@@ -100,14 +100,14 @@ def _time(setup: Setup, fwd, leaves, dy) -> tuple[float, float | str]:
     return statistics.median(times), "n/a"
 
 
-def profile(setup: Setup, chunk_size: int) -> dict:
-    """Milliseconds per fwd+bwd call of the chunked form's top kernels at the first heads and context (kernel_ms),
+def profile(setup: Setup, contraction) -> dict:
+    """Milliseconds per fwd+bwd call of a contraction's top kernels at the first heads and context (kernel_ms),
     compiled on the GPU (the smoke run: eager, the ops' CPU time)."""
     from tools.benchutil import kernel_ms
 
     leaves, dy = _s4d_case(setup, setup.contexts[0], setup.heads[0])
     torch._dynamo.reset()
-    fn = lambda *a: s4d_contraction_chunked(*a, chunk_size=chunk_size)[0]  # noqa: E731
+    fn = lambda *a: contraction(*a)[0]  # noqa: E731
     fn = torch.compile(fn) if setup.device == "cuda" else fn
     step = lambda: torch.autograd.backward(fn(*leaves), dy)  # noqa: E731
     step()
@@ -140,7 +140,8 @@ def rows_at(setup: Setup, T: int, heads: int, names, checked: bool, forms: dict)
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--quick", action="store_true", help="12 heads only; fft and the first chunk size, eager and compiled")
+    ap.add_argument("--quick", action="store_true",
+                    help="12 heads only; fft and the first chunk size, eager and compiled")
     ap.add_argument("--smoke", action="store_true", help="no GPU: tiny fp32 shapes on the CPU, eager forms only")
     ap.add_argument("--budget-s", type=float, default=400.0, help="skip the remaining shapes after this many seconds")
     ap.add_argument("--chunk-sizes", default="64,128", help="the chunked form's tokens per chunk, comma-separated")
@@ -169,7 +170,7 @@ def main():
                       "full readout C", "check": checked}
     if args.profile:
         where = f"{setup.heads[0]} heads, T = {setup.contexts[0]}{', compiled' if setup.device == 'cuda' else ''}"
-        extra[f"kernels of chunked-{sizes[0]}, {where} (ms per call)"] = profile(setup, sizes[0])
+        extra[f"kernels of chunked-{sizes[0]}, {where} (ms per call)"] = profile(setup, forms[f"chunked-{sizes[0]}"][0])
     print(save_results("bench_s4d", rows, extra, args.results_dir))
 
 
