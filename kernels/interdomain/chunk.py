@@ -24,27 +24,30 @@ def interdomain_fwd(q, k, v, decay, b, u0=None, g0=None, chunk_size=64, p=None,
     """Forward. q, k [B, T, H, K], v [B, T, H, V]; u0/g0 [B, H, 2, M, K/V] fp32 or None; p: the readout's
     P = C^T conj(C) as [H, M, M, 2] fp32, or None (identity).
 
-    Returns o [B, T, H, V], the final U, G [B, H, 2, M, K/V] fp32 and the U and G scans' segment start states (None
-    unsegmented; small: one state per plan.scan_segment chunks) for the backward."""
+    Returns o [B, T, H, V], the final U, G [B, H, 2, M, K/V] fp32, the U and G scans' segment start states (None
+    unsegmented; small: one state per plan.scan_segment chunks) and, with plan.keep_states, the chunk-boundary
+    states U, G [B, H, NC, 2, M, K/V] themselves (else None, None): what the backward needs of this pass."""
     C = chunk_size
     pw = powers(decay, C)
     ub, uf, su = scan(k, b, pw, decay, C, x0=u0, plan=plan)
     gb, gf, sg = scan(v, b, pw, decay, C, x0=g0, plan=plan)
     o = torch.empty_like(v)
     readout_fwd(q, k, v, ub, gb, b, pw, o, C, p=p, plan=plan)
-    return o, uf, gf, (su, sg)
+    return o, uf, gf, (su, sg), (ub, gb) if plan.keep_states else (None, None)
 
 
 def interdomain_bwd(q, k, v, decay, b, u0, g0, do, duf, dgf, chunk_size=64, starts=(None, None), p=None,
-                    plan: InterdomainPlan = DEFAULT_PLAN):
+                    plan: InterdomainPlan = DEFAULT_PLAN, kept=(None, None)):
     """Backward: dq, dk, dv, ddecay, db, du0, dg0 (du0/dg0 None when there was no initial state), dp (None without
     a readout). starts: the forward's segment start states (interdomain_fwd), so that recomputing its states takes
-    one pass over k and v."""
+    one pass over k and v; kept: the forward's chunk-boundary states (plan.keep_states), which skip that pass."""
     B, T, H, _ = q.shape
     C, M, NC = chunk_size, b.shape[1], triton.cdiv(T, chunk_size)
     pw = powers(decay, C)
-    ub, _, _ = scan(k, b, pw, decay, C, x0=u0, starts=starts[0], plan=plan)
-    gb, _, _ = scan(v, b, pw, decay, C, x0=g0, starts=starts[1], plan=plan)
+    ub, gb = kept
+    if ub is None:
+        ub, _, _ = scan(k, b, pw, decay, C, x0=u0, starts=starts[0], plan=plan)
+        gb, _, _ = scan(v, b, pw, decay, C, x0=g0, starts=starts[1], plan=plan)
     # a and da feed bf16 products and scan coefficients only, so a 16-bit copy of bf16 runs loses nothing
     cdt = torch.bfloat16 if q.dtype == torch.bfloat16 else torch.float32
     a = q.new_empty(B, T, H, 2, M, dtype=cdt)
@@ -98,20 +101,32 @@ def readout_p_grad(araw: torch.Tensor, dar: torch.Tensor) -> torch.Tensor:
 def interdomain_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, decay: torch.Tensor, b: torch.Tensor,
                        u0: torch.Tensor | None, g0: torch.Tensor | None, p: torch.Tensor | None, chunk_size: int,
                        plan_id: int, check_values: bool = True
-                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """interdomain_fwd on contiguous inputs: o, the final U and G, and the scans' segment start states (empty
-    unsegmented), which the backward takes back."""
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                  torch.Tensor]:
+    """interdomain_fwd on contiguous inputs: o, the final U and G, then what the backward takes back: the scans'
+    segment start states (empty unsegmented or where the states are kept) and the kept chunk-boundary states
+    (empty without plan.keep_states)."""
     if check_values:
         check_decay(decay)
-    o, uf, gf, (su, sg) = interdomain_fwd(q, k, v, decay, b, u0, g0, chunk_size, p, PLANS[plan_id])
-    return o, uf, gf, absent(q) if su is None else su, absent(q) if sg is None else sg
+    o, uf, gf, starts, kept = interdomain_fwd(q, k, v, decay, b, u0, g0, chunk_size, p, PLANS[plan_id])
+    if kept[0] is not None:
+        starts = (None, None)  # the backward recomputes nothing: the starts need not be kept
+    return o, uf, gf, *(absent(q) if t is None else t for t in starts + kept)
 
 
 def _starts_shape(z, b, chunk_size, plan):
     B, T, H, D = z.shape
     M, NC = b.shape[1], triton.cdiv(T, chunk_size)
     NS = triton.cdiv(NC, scan_layout(B, H, D, M, NC, plan)[0])
-    return (B, H, NS, 2, M, D) if NS > 1 else (0,)
+    return (B, H, NS, 2, M, D) if NS > 1 and not plan.keep_states else (0,)
+
+
+def _kept(z, b, chunk_size, plan):
+    """The fake of a kept chunk-boundary state (z's dtype) or of its empty stand-in."""
+    B, T, H, D = z.shape
+    if not plan.keep_states:
+        return z.new_empty(0, dtype=torch.float32)
+    return z.new_empty(B, H, triton.cdiv(T, chunk_size), 2, b.shape[1], D)
 
 
 @interdomain_fwd_op.register_fake
@@ -121,22 +136,24 @@ def _(q, k, v, decay, b, u0, g0, p, chunk_size, plan_id, check_values=True):
     f32 = dict(dtype=torch.float32)
     return (torch.empty_like(v), q.new_empty(B, H, 2, M, K, **f32), q.new_empty(B, H, 2, M, V, **f32),
             q.new_empty(_starts_shape(k, b, chunk_size, plan), **f32),
-            q.new_empty(_starts_shape(v, b, chunk_size, plan), **f32))
+            q.new_empty(_starts_shape(v, b, chunk_size, plan), **f32), _kept(k, b, chunk_size, plan),
+            _kept(v, b, chunk_size, plan))
 
 
 @torch.library.custom_op("megahybrid::interdomain_bwd", mutates_args=())
 def interdomain_bwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, decay: torch.Tensor, b: torch.Tensor,
                        u0: torch.Tensor | None, g0: torch.Tensor | None, p: torch.Tensor | None, su: torch.Tensor,
-                       sg: torch.Tensor, do: torch.Tensor, duf: torch.Tensor | None, dgf: torch.Tensor | None,
-                       chunk_size: int, plan_id: int) -> list[torch.Tensor]:
+                       sg: torch.Tensor, ub: torch.Tensor, gb: torch.Tensor, do: torch.Tensor,
+                       duf: torch.Tensor | None, dgf: torch.Tensor | None, chunk_size: int,
+                       plan_id: int) -> list[torch.Tensor]:
     """interdomain_bwd: dq, dk, dv, ddecay, db, du0, dg0, dp (the last three empty where their input was None)."""
     grads = interdomain_bwd(q, k, v, decay, b, u0, g0, do, duf, dgf, chunk_size,
-                            (present(su), present(sg)), p, PLANS[plan_id])
+                            (present(su), present(sg)), p, PLANS[plan_id], (present(ub), present(gb)))
     return [absent(q) if g is None else g for g in grads]
 
 
 @interdomain_bwd_op.register_fake
-def _(q, k, v, decay, b, u0, g0, p, su, sg, do, duf, dgf, chunk_size, plan_id):
+def _(q, k, v, decay, b, u0, g0, p, su, sg, ub, gb, do, duf, dgf, chunk_size, plan_id):
     like = lambda t: absent(q) if t is None else torch.empty_like(t)  # noqa: E731
     return [torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(decay),
             torch.empty_like(b), like(u0), like(g0), like(p)]
@@ -144,14 +161,15 @@ def _(q, k, v, decay, b, u0, g0, p, su, sg, do, duf, dgf, chunk_size, plan_id):
 
 def _setup_context(ctx, inputs, output):
     q, k, v, decay, b, u0, g0, p, chunk_size, plan_id, *_ = inputs
-    ctx.save_for_backward(q, k, v, decay, b, u0, g0, p, output[3], output[4])
+    ctx.save_for_backward(q, k, v, decay, b, u0, g0, p, *output[3:7])
     ctx.chunk_size, ctx.plan_id = chunk_size, plan_id
 
 
-def _backward(ctx, do, duf, dgf, _dsu, _dsg):
-    q, k, v, decay, b, u0, g0, p, su, sg = ctx.saved_tensors
+def _backward(ctx, do, duf, dgf, *_unused):  # no gradient flows into the starts or the kept states
+    q, k, v, decay, b, u0, g0, p, su, sg, ub, gb = ctx.saved_tensors
     dq, dk, dv, ddecay, db, du0, dg0, dp = interdomain_bwd_op(
-        q, k, v, decay, b, u0, g0, p, su, sg, do.contiguous(), _opt(duf), _opt(dgf), ctx.chunk_size, ctx.plan_id)
+        q, k, v, decay, b, u0, g0, p, su, sg, ub, gb, do.contiguous(), _opt(duf), _opt(dgf), ctx.chunk_size,
+        ctx.plan_id)
     return (dq, dk, dv, ddecay, db, du0 if u0 is not None else None, dg0 if g0 is not None else None,
             dp if p is not None else None, None, None, None)
 
@@ -209,7 +227,7 @@ def interdomain_attention(q, k, v, decay, b, initial_state=None, output_final_st
     if uses_torch_path(q, readout, normalize, plan):
         o, uf, gf = _torch_path(q, k, v, decay, b, u0, g0, chunk_size, readout, check_values)
     else:
-        o, uf, gf, _, _ = interdomain_fwd_op(q.contiguous(), k.contiguous(), v.contiguous(), decay.contiguous(),
+        o, uf, gf, *_ = interdomain_fwd_op(q.contiguous(), k.contiguous(), v.contiguous(), decay.contiguous(),
                                              b.contiguous(), u0, g0, readout_p(readout), chunk_size, plan.plan_id,
                                              check_values)
     state = (uf.transpose(2, 3).contiguous(), gf.transpose(2, 3).contiguous()) if output_final_state else None

@@ -57,6 +57,11 @@ class InterdomainPlan:
 
     fused_readout: the fused recurrent kernel applies the readout (a P per token, P [M, M] complex in registers);
     off, a readout decodes on the chunk op's torch path instead.
+
+    keep_states: the forward keeps its chunk-boundary states U, G for the backward, which then skips its two
+    recomputing scans; off, it keeps only the scans' segment starts and rescans. The cost is memory, linear in T:
+    2 M (K + V) / chunk_size numbers per token and head in the inputs' dtype (256 at M = K = V = chunk = 64, where
+    q, k, v hold 192).
     """
 
     warps_scan: int = 4
@@ -75,6 +80,7 @@ class InterdomainPlan:
     scan_tile: tuple = (32, 64)
     readout_on_gpu: bool = True
     fused_readout: bool = True
+    keep_states: bool = True
 
     def __post_init__(self):
         # The custom ops take a plan as an int, its index in PLANS, read here as a plain attribute so that it also

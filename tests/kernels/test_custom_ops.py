@@ -19,15 +19,16 @@ from tests.utils import rel_rms_error, requires_gpu
 DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, requires_gpu])]
 
 COMPILED_TOL = 1e-5  # relative RMS: the same kernels; only the torch ops around them are fused by inductor
-# segmented scans from 3 chunks on (the default plan segments only past 128 chunks, too long for the interpreter)
-SEGMENTED = InterdomainPlan(scan_segment=2, scan_segment_above=2)
+# segmented scans from 3 chunks on (the default plan segments only past 128 chunks, too long for the interpreter),
+# the backward rescanning from the segment starts (the default keeps the forward's states instead)
+SEGMENTED = InterdomainPlan(scan_segment=2, scan_segment_above=2, keep_states=False)
 
 
 def _op_args(segmented: bool, with_state: bool, with_readout: bool):
     q, k, v, decay, b, u0, g0 = make_inputs(1, 100, 2, 16, 24, 8)
     state = (u0.transpose(2, 3).contiguous(), g0.transpose(2, 3).contiguous()) if with_state else (None, None)
     p = readout_p(make_readout(2, 8)) if with_readout else None
-    plan = SEGMENTED if segmented else InterdomainPlan()
+    plan = SEGMENTED if segmented else InterdomainPlan()  # the default keeps its states; SEGMENTED keeps starts
     args = [t.requires_grad_() if t is not None else None for t in (q, k, v, decay, b, *state, p)]
     return (*args, 16, plan.plan_id)
 
@@ -37,8 +38,11 @@ def test_custom_op_registration(segmented, with_state, with_readout):
     """torch.library.opcheck: schema, fake (meta) shapes against the real outputs, autograd registration and
     AOT dispatch, static and dynamic shapes."""
     args = _op_args(segmented, with_state, with_readout)
-    if segmented:
-        assert interdomain_fwd_op(*args)[3].numel() > 0  # the case carries segment start states
+    outs = interdomain_fwd_op(*args)
+    if segmented:  # the case carries segment start states and no kept states
+        assert outs[3].numel() > 0 and outs[5].numel() == 0
+    else:  # the chunk-boundary states are kept: [B, H, NC, 2, M, K]
+        assert outs[5].shape == (1, 2, 7, 2, 8, 16) and outs[3].numel() == 0
     torch.library.opcheck(interdomain_fwd_op, args)
 
 
@@ -73,7 +77,7 @@ def test_compiled_caller_keeps_the_op_in_one_graph(plan, device):
 
 def test_plan_index_is_stable():
     assert InterdomainPlan().plan_id == 0
-    assert SEGMENTED.plan_id == InterdomainPlan(scan_segment=2, scan_segment_above=2).plan_id > 0
+    assert SEGMENTED.plan_id == InterdomainPlan(scan_segment=2, scan_segment_above=2, keep_states=False).plan_id > 0
 
 
 @pytest.mark.parametrize("grad_unselected", [False, True])

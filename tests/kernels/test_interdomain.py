@@ -137,11 +137,12 @@ def test_scan_loops_match_naive(nan_empty, scan_hoist, T, C, init):
     compare(inputs, FP32_TOL, chunk_size=C, plan=scan_hoist)
 
 
-@pytest.fixture(params=[True, False], ids=["hoisted", "plain"])
+@pytest.fixture(params=[True, False], ids=["hoisted-kept", "plain-rescan"])
 def segmented(request):
-    """A plan with every scan in segments of two chunks (the GPU cuts only long sequences, in segments of 32)."""
+    """A plan with every scan in segments of two chunks (the GPU cuts only long sequences, in segments of 32), its
+    backward taking the forward's kept states (the default) or rescanning from the segment starts."""
     return InterdomainPlan(scan_segment=2, scan_segment_below=1 << 30, scan_segment_above=0,
-                           hoist_const=request.param, hoist_per_token=request.param)
+                           hoist_const=request.param, hoist_per_token=request.param, keep_states=request.param)
 
 
 @pytest.mark.parametrize("T,C,init,normalize,strong", [
@@ -152,7 +153,8 @@ def segmented(request):
 ])
 def test_segmented_scans_match_naive(nan_empty, segmented, T, C, init, normalize, strong):
     """Output, final state and every gradient (the reverse scans segmented too) with the state carried across
-    segments by _carry_kernel, and the backward recomputing the forward's states from its segment starts."""
+    segments by _carry_kernel, and the backward taking the forward's states or recomputing them from its segment
+    starts."""
     inputs = make_inputs(1, T, 2, 16, 24, 8, init=init, normalize=normalize, strong=strong)
     compare(inputs, FP32_TOL, chunk_size=C, normalize=normalize, plan=segmented)
 
@@ -259,10 +261,12 @@ def test_stacked_forward_at_64_modes_gpu_bf16(nan_empty):
 
 @pytest.mark.gpu
 @requires_gpu
-def test_segmented_scans_gpu_bf16(nan_empty):
+@pytest.mark.parametrize("keep_states", [True, False], ids=["kept", "rescan"])
+def test_segmented_scans_gpu_bf16(nan_empty, keep_states):
     """The long-sequence scan path (segments of 32 chunks, few rows) at T = 4200: 3 segments, a partial chunk."""
     assert DEFAULT_PLAN.scan_segment == 32
-    plan = dataclasses.replace(DEFAULT_PLAN, scan_segment_above=32)  # 66 chunks: segmented like a long sequence
+    # 66 chunks: segmented like a long sequence
+    plan = dataclasses.replace(DEFAULT_PLAN, scan_segment_above=32, keep_states=keep_states)
     inputs = make_inputs(1, 4200, 2, 128, 128, 32, dtype=torch.bfloat16, init=True)
     compare(inputs, BF16_TOL, BF16_GRAD_TOL, plan=plan)
 
