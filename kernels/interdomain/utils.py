@@ -1,5 +1,7 @@
 """What the Interdomain modules share: the tuning plan, the readout's P, where a call runs, and the two Triton
 helpers (complex product, power-table read) that both the scans and the readout kernels use."""
+import dataclasses
+import hashlib
 from dataclasses import dataclass
 
 import torch
@@ -9,7 +11,7 @@ import triton.language as tl
 from megahybrid_kernels._triton import use_torch_path
 
 
-PLANS: list = []  # every distinct InterdomainPlan made, at its plan_id
+PLANS: dict = {}  # every distinct InterdomainPlan made, by its plan_id
 
 
 @dataclass(frozen=True)
@@ -59,9 +61,9 @@ class InterdomainPlan:
     off, a readout decodes on the chunk op's torch path instead.
 
     keep_states: the forward keeps its chunk-boundary states U, G for the backward, which then skips its two
-    recomputing scans; off, it keeps only the scans' segment starts and rescans. The cost is memory, linear in T:
-    2 M (K + V) / chunk_size numbers per token and head in the inputs' dtype (256 at M = K = V = chunk = 64, where
-    q, k, v hold 192).
+    recomputing scans; off (the default until it is timed on the GPU: gpu_check.sh keep-states), it keeps only the
+    scans' segment starts and rescans. The cost is memory, linear in T: 2 M (K + V) / chunk_size numbers per token
+    and head in the inputs' dtype (256 at M = K = V = chunk = 64, where q, k, v hold 192).
     """
 
     warps_scan: int = 4
@@ -80,15 +82,19 @@ class InterdomainPlan:
     scan_tile: tuple = (32, 64)
     readout_on_gpu: bool = True
     fused_readout: bool = True
-    keep_states: bool = True
+    keep_states: bool = False
 
     def __post_init__(self):
-        # The custom ops take a plan as an int, its index in PLANS, read here as a plain attribute so that it also
+        # The custom ops take a plan as an int, its key in PLANS, read here as a plain attribute so that it also
         # traces under torch.compile: torch 2.11's dynamo cannot hand a frozen dataclass to an
-        # assume_constant_result function, which failed every compiled `I` layer on the H200.
-        if self not in PLANS:  # equal plans share one index
-            PLANS.append(self)
-        object.__setattr__(self, "plan_id", PLANS.index(self))
+        # assume_constant_result function, which failed every compiled `I` layer on the H200. The key is a digest
+        # of the plan's fields, not an index: a compiled graph bakes it in, and inductor's on-disk cache (shared
+        # across processes and code versions) must not hand a graph built for one plan to another, as an index
+        # would when plans are made in another order or a default changes (the fake outputs' shapes depend on it).
+        digest = hashlib.sha256(repr(dataclasses.astuple(self)).encode()).hexdigest()
+        plan_id = int(digest[:15], 16)  # 60 bits: an int64 argument of the custom ops
+        object.__setattr__(self, "plan_id", plan_id)
+        PLANS.setdefault(plan_id, self)
 
     def warps(self, launch: str) -> int:
         """num_warps of one launch kind: scan, fwd, bwd_a, bwd_dq, bwd_dk or bwd_dv."""

@@ -7,7 +7,8 @@ callers also on the GPU (fp32)."""
 import pytest
 import torch
 
-from megahybrid_kernels.interdomain import InterdomainPlan, interdomain_attention, interdomain_fwd_op
+from megahybrid_kernels.interdomain import DEFAULT_PLAN, InterdomainPlan, interdomain_attention, interdomain_fwd_op
+from megahybrid_kernels.interdomain.utils import PLANS
 from megahybrid_kernels.interdomain.chunk import readout_p
 from megahybrid_kernels.nats.attention import chunk as attention_chunk
 from megahybrid_kernels.nats.gdn import chunk as gdn_chunk
@@ -20,29 +21,32 @@ DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, requires_gpu])]
 
 COMPILED_TOL = 1e-5  # relative RMS: the same kernels; only the torch ops around them are fused by inductor
 # segmented scans from 3 chunks on (the default plan segments only past 128 chunks, too long for the interpreter),
-# the backward rescanning from the segment starts (the default keeps the forward's states instead)
-SEGMENTED = InterdomainPlan(scan_segment=2, scan_segment_above=2, keep_states=False)
+# the backward rescanning from the segment starts; KEPT: the backward takes the forward's states instead
+SEGMENTED = InterdomainPlan(scan_segment=2, scan_segment_above=2)
+KEPT = InterdomainPlan(keep_states=True)
 
 
-def _op_args(segmented: bool, with_state: bool, with_readout: bool):
+def _op_args(plan: InterdomainPlan, with_state: bool, with_readout: bool):
     q, k, v, decay, b, u0, g0 = make_inputs(1, 100, 2, 16, 24, 8)
     state = (u0.transpose(2, 3).contiguous(), g0.transpose(2, 3).contiguous()) if with_state else (None, None)
     p = readout_p(make_readout(2, 8)) if with_readout else None
-    plan = SEGMENTED if segmented else InterdomainPlan()  # the default keeps its states; SEGMENTED keeps starts
     args = [t.requires_grad_() if t is not None else None for t in (q, k, v, decay, b, *state, p)]
     return (*args, 16, plan.plan_id)
 
 
-@pytest.mark.parametrize("segmented,with_state,with_readout", [(False, False, False), (True, True, True)])
-def test_custom_op_registration(segmented, with_state, with_readout):
+@pytest.mark.parametrize("plan,with_state,with_readout", [(InterdomainPlan(), False, False), (SEGMENTED, True, True),
+                                                            (KEPT, True, False)], ids=["default", "segmented", "kept"])
+def test_custom_op_registration(plan, with_state, with_readout):
     """torch.library.opcheck: schema, fake (meta) shapes against the real outputs, autograd registration and
     AOT dispatch, static and dynamic shapes."""
-    args = _op_args(segmented, with_state, with_readout)
+    args = _op_args(plan, with_state, with_readout)
     outs = interdomain_fwd_op(*args)
-    if segmented:  # the case carries segment start states and no kept states
-        assert outs[3].numel() > 0 and outs[5].numel() == 0
-    else:  # the chunk-boundary states are kept: [B, H, NC, 2, M, K]
-        assert outs[5].shape == (1, 2, 7, 2, 8, 16) and outs[3].numel() == 0
+    if plan is SEGMENTED:  # the case carries segment start states
+        assert outs[3].numel() > 0
+    if plan is KEPT:  # the chunk-boundary states [B, H, NC, 2, M, K / V] instead of empty stand-ins
+        assert outs[5].shape == (1, 2, 7, 2, 8, 16) and outs[6].shape == (1, 2, 7, 2, 8, 24)
+    else:
+        assert outs[5].numel() == 0 and outs[6].numel() == 0
     torch.library.opcheck(interdomain_fwd_op, args)
 
 
@@ -62,7 +66,7 @@ def _compiled_matches_eager(fn, leaves, tol=COMPILED_TOL):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("plan", [None, SEGMENTED], ids=["default", "segmented"])
+@pytest.mark.parametrize("plan", [None, SEGMENTED, KEPT], ids=["default", "segmented", "kept"])
 def test_compiled_caller_keeps_the_op_in_one_graph(plan, device):
     """fullgraph=True fails on any graph break; outputs, final state and every gradient (C's too) equal eager's."""
     q, k, v, decay, b, u0, g0 = make_inputs(2, 63, 2, 16, 24, 8, device=device)
@@ -75,9 +79,13 @@ def test_compiled_caller_keeps_the_op_in_one_graph(plan, device):
     _compiled_matches_eager(fn, [q, k, v, decay, b, u0, g0, make_readout(2, 8, device=device)])
 
 
-def test_plan_index_is_stable():
-    assert InterdomainPlan().plan_id == 0
-    assert SEGMENTED.plan_id == InterdomainPlan(scan_segment=2, scan_segment_above=2, keep_states=False).plan_id > 0
+def test_plan_key_is_stable():
+    """Equal plans share a key and unequal ones do not; the key is a digest of the fields (the same in every
+    process and order of creation), which a compiled graph and inductor's on-disk cache carry."""
+    assert InterdomainPlan().plan_id == DEFAULT_PLAN.plan_id
+    assert SEGMENTED.plan_id == InterdomainPlan(scan_segment=2, scan_segment_above=2).plan_id
+    assert len({DEFAULT_PLAN.plan_id, SEGMENTED.plan_id, KEPT.plan_id}) == 3
+    assert PLANS[KEPT.plan_id] == KEPT and 0 < KEPT.plan_id < 2**63
 
 
 @pytest.mark.parametrize("grad_unselected", [False, True])

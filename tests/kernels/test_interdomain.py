@@ -140,7 +140,7 @@ def test_scan_loops_match_naive(nan_empty, scan_hoist, T, C, init):
 @pytest.fixture(params=[True, False], ids=["hoisted-kept", "plain-rescan"])
 def segmented(request):
     """A plan with every scan in segments of two chunks (the GPU cuts only long sequences, in segments of 32), its
-    backward taking the forward's kept states (the default) or rescanning from the segment starts."""
+    backward taking the forward's kept states (plan.keep_states) or rescanning from the segment starts."""
     return InterdomainPlan(scan_segment=2, scan_segment_below=1 << 30, scan_segment_above=0,
                            hoist_const=request.param, hoist_per_token=request.param, keep_states=request.param)
 
