@@ -37,8 +37,9 @@ if [ "$mode" = s4d ]; then  # #12: the chunked S4D contraction, D's default sinc
   cp tools/results/bench_s4d.* "${OUT:-/tmp}/"
 fi
 if [ "$mode" = keep-states ]; then  # #12: InterdomainPlan.keep_states (the backward takes the forward's chunk states
-  # instead of rescanning): the Interdomain kernel tests with it on (the default), then the paper shapes at 4K and
-  # 16K with it on and off (1440cd6-era op: 7.19 / 7.30 ms at 12 x 64, 0.52x / 1.83x cuDNN)
+  # instead of rescanning; off by default until timed): the Interdomain kernel tests (test_segmented_scans_gpu_bf16
+  # runs it both ways), then the paper shapes at 4K and 16K with it on and off (10a28ad: 7.19 / 7.30 ms at 12 x 64,
+  # 0.52x / 1.83x cuDNN)
   run_tests interdomain tests/kernels/test_interdomain.py tests/kernels/test_interdomain_torch.py \
     tests/kernels/test_custom_ops.py
   for p in keep_states=true keep_states=false; do
