@@ -37,17 +37,17 @@ if [ "$mode" = s4d ]; then  # #12: the chunked S4D contraction, D's default sinc
   cp tools/results/bench_s4d.* "${OUT:-/tmp}/"
 fi
 if [ "$mode" = keep-states ]; then  # #12: InterdomainPlan.keep_states (the backward takes the forward's chunk states
-  # instead of rescanning; off by default until timed): the Interdomain kernel tests (test_segmented_scans_gpu_bf16
-  # runs it both ways), then the paper shapes at 4K and 16K with it on and off (10a28ad: 7.19 / 7.30 ms at 12 x 64,
-  # 0.52x / 1.83x cuDNN)
-  run_tests interdomain tests/kernels/test_interdomain.py tests/kernels/test_interdomain_torch.py \
-    tests/kernels/test_custom_ops.py
+  # instead of rescanning; off by default until timed): the paper shapes at 4K and 16K with it on and off (10a28ad:
+  # 7.19 / 7.30 ms at 12 x 64, 0.52x / 1.83x cuDNN), then the Interdomain kernel tests (test_segmented_scans_gpu_bf16
+  # runs it both ways)
   for p in keep_states=true keep_states=false; do
     timeout -k 5 150 python3 tools/bench_interdomain.py --paper --quick --budget-s 100 --plan $p 2>&1 |
       grep -v -i warn | tail -7
     cp tools/results/interdomain-paper-plan.md "${OUT:-/tmp}/interdomain-paper-${p/=/-}.md"
     cp tools/results/interdomain-paper-plan.json "${OUT:-/tmp}/interdomain-paper-${p/=/-}.json"
   done
+  run_tests interdomain tests/kernels/test_interdomain.py tests/kernels/test_interdomain_torch.py \
+    tests/kernels/test_custom_ops.py
 fi
 if [ "$mode" = s4d-pieces ]; then  # #12/#13: where a 125M `D` layer call's time goes next to `I`'s (8 x 4096 tokens,
   # compiled): input path, conv, norms, the contraction chunked and by FFT, output projection; D trains at 180.2K
