@@ -37,9 +37,9 @@ if [ "$mode" = s4d ]; then  # #12: the chunked S4D contraction, D's default sinc
   cp tools/results/bench_s4d.* "${OUT:-/tmp}/"
 fi
 if [ "$mode" = keep-states ]; then  # #12: InterdomainPlan.keep_states (the backward takes the forward's chunk states
-  # instead of rescanning; off by default until timed): the paper shapes at 4K and 16K with it on and off (10a28ad:
-  # 7.19 / 7.30 ms at 12 x 64, 0.52x / 1.83x cuDNN), then the Interdomain kernel tests (test_segmented_scans_gpu_bf16
-  # runs it both ways)
+  # instead of rescanning; the default since the H100 run at cb126b0: 7.44 against 7.91 ms at 12 x 64, 4K): the
+  # paper shapes at 4K and 16K with it on and off, then the Interdomain kernel tests (test_segmented_scans_gpu_bf16
+  # runs it both ways); on an H200 (10a28ad, rescanning): 7.19 / 7.30 ms at 12 x 64, 0.52x / 1.83x cuDNN
   for p in keep_states=true keep_states=false; do
     timeout -k 5 150 python3 tools/bench_interdomain.py --paper --quick --budget-s 100 --plan $p 2>&1 |
       grep -v -i warn | tail -7

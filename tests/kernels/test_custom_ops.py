@@ -21,8 +21,8 @@ DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, requires_gpu])]
 
 COMPILED_TOL = 1e-5  # relative RMS: the same kernels; only the torch ops around them are fused by inductor
 # segmented scans from 3 chunks on (the default plan segments only past 128 chunks, too long for the interpreter),
-# the backward rescanning from the segment starts; KEPT: the backward takes the forward's states instead
-SEGMENTED = InterdomainPlan(scan_segment=2, scan_segment_above=2)
+# the backward rescanning from the segment starts; KEPT: the default, whose backward takes the forward's states
+SEGMENTED = InterdomainPlan(scan_segment=2, scan_segment_above=2, keep_states=False)
 KEPT = InterdomainPlan(keep_states=True)
 
 
@@ -35,7 +35,7 @@ def _op_args(plan: InterdomainPlan, with_state: bool, with_readout: bool):
 
 
 @pytest.mark.parametrize("plan,with_state,with_readout", [(InterdomainPlan(), False, False), (SEGMENTED, True, True),
-                                                            (KEPT, True, False)], ids=["default", "segmented", "kept"])
+                                                            (KEPT, True, False)], ids=["default", "segmented", "with-state"])
 def test_custom_op_registration(plan, with_state, with_readout):
     """torch.library.opcheck: schema, fake (meta) shapes against the real outputs, autograd registration and
     AOT dispatch, static and dynamic shapes."""
@@ -43,7 +43,7 @@ def test_custom_op_registration(plan, with_state, with_readout):
     outs = interdomain_fwd_op(*args)
     if plan is SEGMENTED:  # the case carries segment start states
         assert outs[3].numel() > 0
-    if plan is KEPT:  # the chunk-boundary states [B, H, NC, 2, M, K / V] instead of empty stand-ins
+    if plan.keep_states:  # the chunk-boundary states [B, H, NC, 2, M, K / V] instead of empty stand-ins
         assert outs[5].shape == (1, 2, 7, 2, 8, 16) and outs[6].shape == (1, 2, 7, 2, 8, 24)
     else:
         assert outs[5].numel() == 0 and outs[6].numel() == 0
@@ -66,7 +66,7 @@ def _compiled_matches_eager(fn, leaves, tol=COMPILED_TOL):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("plan", [None, SEGMENTED, KEPT], ids=["default", "segmented", "kept"])
+@pytest.mark.parametrize("plan", [None, SEGMENTED], ids=["default-kept", "segmented-rescan"])
 def test_compiled_caller_keeps_the_op_in_one_graph(plan, device):
     """fullgraph=True fails on any graph break; outputs, final state and every gradient (C's too) equal eager's."""
     q, k, v, decay, b, u0, g0 = make_inputs(2, 63, 2, 16, 24, 8, device=device)
@@ -83,8 +83,9 @@ def test_plan_key_is_stable():
     """Equal plans share a key and unequal ones do not; the key is a digest of the fields (the same in every
     process and order of creation), which a compiled graph and inductor's on-disk cache carry."""
     assert InterdomainPlan().plan_id == DEFAULT_PLAN.plan_id
-    assert SEGMENTED.plan_id == InterdomainPlan(scan_segment=2, scan_segment_above=2).plan_id
-    assert len({DEFAULT_PLAN.plan_id, SEGMENTED.plan_id, KEPT.plan_id}) == 3
+    assert SEGMENTED.plan_id == InterdomainPlan(scan_segment=2, scan_segment_above=2, keep_states=False).plan_id
+    assert KEPT.plan_id == DEFAULT_PLAN.plan_id != InterdomainPlan(keep_states=False).plan_id
+    assert len({DEFAULT_PLAN.plan_id, SEGMENTED.plan_id, InterdomainPlan(warps_fwd=8).plan_id}) == 3
     assert PLANS[KEPT.plan_id] == KEPT and 0 < KEPT.plan_id < 2**63
 
 
