@@ -228,8 +228,8 @@ def interdomain_attention(q, k, v, decay, b, initial_state=None, output_final_st
         o, uf, gf = _torch_path(q, k, v, decay, b, u0, g0, chunk_size, readout, check_values)
     else:
         o, uf, gf, *_ = interdomain_fwd_op(q.contiguous(), k.contiguous(), v.contiguous(), decay.contiguous(),
-                                             b.contiguous(), u0, g0, readout_p(readout), chunk_size, plan.plan_id,
-                                             check_values)
+                                           b.contiguous(), u0, g0, readout_p(readout), chunk_size, plan.plan_id,
+                                           check_values)
     state = (uf.transpose(2, 3).contiguous(), gf.transpose(2, 3).contiguous()) if output_final_state else None
     if normalize:
         den = o[..., V:].float()

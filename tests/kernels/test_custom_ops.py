@@ -34,8 +34,9 @@ def _op_args(plan: InterdomainPlan, with_state: bool, with_readout: bool):
     return (*args, 16, plan.plan_id)
 
 
-@pytest.mark.parametrize("plan,with_state,with_readout", [(InterdomainPlan(), False, False), (SEGMENTED, True, True),
-                                                            (KEPT, True, False)], ids=["default", "segmented", "with-state"])
+@pytest.mark.parametrize("plan,with_state,with_readout",
+                         [(InterdomainPlan(), False, False), (SEGMENTED, True, True), (KEPT, True, False)],
+                         ids=["default", "segmented", "with-state"])
 def test_custom_op_registration(plan, with_state, with_readout):
     """torch.library.opcheck: schema, fake (meta) shapes against the real outputs, autograd registration and
     AOT dispatch, static and dynamic shapes."""
