@@ -123,9 +123,9 @@ def _starts_shape(z, b, chunk_size, plan):
 
 def _kept(z, b, chunk_size, plan):
     """The fake of a kept chunk-boundary state (z's dtype) or of its empty stand-in."""
-    B, T, H, D = z.shape
     if not plan.keep_states:
-        return z.new_empty(0, dtype=torch.float32)
+        return absent(z)
+    B, T, H, D = z.shape
     return z.new_empty(B, H, triton.cdiv(T, chunk_size), 2, b.shape[1], D)
 
 
