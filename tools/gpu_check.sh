@@ -2,7 +2,7 @@
 # The GPU checks a device session runs, each part fitting one call: every gpu-marked test (each kernel's backward
 # against the fp32 reference ON the GPU: Triton 3.6 on Hopper miscompiles some layouts silently), then the
 # Interdomain benchmark. Run from the repo root on the device machine with `.whl` carried:
-#   MEGAHYBRID_COMMIT=<hash> bash tools/gpu_check.sh [pending|keep-states|s4d|s4d-pieces|s4d-train|prefill-seg|segments-train|scope|mixers|gdn-probe|cp|kernels|stack|bench|paper|precision|recall|recall-diag|all]
+#   MEGAHYBRID_COMMIT=<hash> bash tools/gpu_check.sh [pending|keep-states|mix|s4d|s4d-pieces|s4d-train|prefill-seg|segments-train|scope|mixers|gdn-probe|cp|kernels|stack|bench|paper|precision|recall|recall-diag|all]
 # pending: the GPU tests of what changed since the last H200 run; kernels: tests/kernels (about 4 minutes); stack:
 # the other gpu tests, which train, export and decode models in subprocesses (about 5 minutes); all: both then
 # bench, more than one call's 10 minutes. The tests run in 14 processes (pytest-xdist, in the device image): one
@@ -48,6 +48,16 @@ if [ "$mode" = keep-states ]; then  # #12: InterdomainPlan.keep_states (the back
   done
   run_tests interdomain tests/kernels/test_interdomain.py tests/kernels/test_interdomain_torch.py \
     tests/kernels/test_custom_ops.py
+fi
+if [ "$mode" = mix ]; then  # #12: InterdomainPlan.mix_in_input_dtype (the readout kernels' a P and d(a P) P^H
+  # products in bf16 instead of fp32 at tf32): the paper shapes at 4K and 16K with it on and off; its GPU tests are
+  # test_readout_gpu_* [kernels-lowmix] in the kernels mode
+  for p in mix_in_input_dtype=true mix_in_input_dtype=false; do
+    timeout -k 5 130 python3 tools/bench_interdomain.py --paper --quick --budget-s 90 --plan $p 2>&1 |
+      grep -v -i warn | tail -7
+    cp tools/results/interdomain-paper-plan.md "${OUT:-/tmp}/interdomain-paper-${p/=/-}.md"
+    cp tools/results/interdomain-paper-plan.json "${OUT:-/tmp}/interdomain-paper-${p/=/-}.json"
+  done
 fi
 if [ "$mode" = s4d-pieces ]; then  # #12/#13: where a 125M `D` layer call's time goes next to `I`'s (8 x 4096 tokens,
   # compiled): input path, conv, norms, the contraction chunked and by FFT, output projection; D trains at 180.2K

@@ -208,22 +208,24 @@ def _fwd_kernel(q_ptr, k_ptr, v_ptr, ub_ptr, gb_ptr, b_ptr, pw_ptr, o_ptr, T, NC
 @triton.jit
 def _fwd_mixed_kernel(q_ptr, k_ptr, v_ptr, ub_ptr, gb_ptr, b_ptr, pw_ptr, p_ptr, o_ptr, T, NC, H, M,
                       K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
-                      BV: tl.constexpr, PREC: tl.constexpr):
+                      BV: tl.constexpr, PREC: tl.constexpr, LOW: tl.constexpr):
     """_fwd_kernel with the readout P [H, M, M, 2] (re, im): o reads a P instead of a (README.md, "Full readout");
     on stacked operands at every mode tile."""
     ic, i_bh, i_h, oc, ok, rows, om, mm, pw, br, bi = _chunk_program(b_ptr, pw_ptr, T, H, M, C, BM)
     ub = ub_ptr + (i_bh * NC + ic) * 2 * M * K
     ar, ai, _, _, _ = _readout_a(x_ptr=q_ptr, z_ptr=k_ptr, sb=ub, pw=pw, br=br[None, :], bi=bi[None, :], rows=rows,
                                  ok=ok, oc=oc, om=om, mm=mm, M=M, D=K, C=C, BD=BK, BM=BM, PREC=PREC, STACK=True)
-    ar, ai = _mix_modes(xr=ar, xi=ai, p_ptr=p_ptr, i_h=i_h, om=om, mm=mm, M=M, PREC=PREC, ADJOINT=False)
+    ar, ai = _mix_modes(xr=ar, xi=ai, p_ptr=p_ptr, i_h=i_h, om=om, mm=mm, M=M, PREC=PREC, ADJOINT=False, LOW=LOW,
+                        DT=q_ptr.dtype.element_ty)
     gb = gb_ptr + (i_bh * NC + ic) * 2 * M * V
     _fwd_o_stacked(v_ptr=v_ptr, o_ptr=o_ptr, gb=gb, b_ptr=b_ptr, pw=pw, ar=ar, ai=ai, rows=rows, ok=ok, oc=oc, om=om,
                    mm=mm, i_h=i_h, M=M, V=V, C=C, BM=BM, BV=BV, PREC=PREC)
 
 
 @triton.jit
-def _mix_modes(xr, xi, p_ptr, i_h, om, mm, M, PREC: tl.constexpr, ADJOINT: tl.constexpr):
-    """x P (ADJOINT: x P^H) for per-token rows x [C, BM] (re, im, fp32) and the head's P [M, M] (re, im)."""
+def _mix_modes(xr, xi, p_ptr, i_h, om, mm, M, PREC: tl.constexpr, ADJOINT: tl.constexpr, LOW: tl.constexpr, DT):
+    """x P (ADJOINT: x P^H) for per-token rows x [C, BM] (re, im, fp32) and the head's P [M, M] (re, im). LOW
+    (InterdomainPlan.mix_in_input_dtype): both operands in DT, the inputs' dtype, as the kernels' other products."""
     mp = mm[:, None] & mm[None, :]
     if ADJOINT:
         pp = p_ptr + ((i_h * M + om[None, :]) * M + om[:, None]) * 2
@@ -231,6 +233,8 @@ def _mix_modes(xr, xi, p_ptr, i_h, om, mm, M, PREC: tl.constexpr, ADJOINT: tl.co
     else:
         pp = p_ptr + ((i_h * M + om[:, None]) * M + om[None, :]) * 2
         pr, pi = tl.load(pp, mask=mp, other=0.0), tl.load(pp + 1, mask=mp, other=0.0)
+    if LOW:
+        xr, xi, pr, pi = xr.to(DT), xi.to(DT), pr.to(DT), pi.to(DT)
     yr = tl.dot(xr, pr, input_precision=PREC) - tl.dot(xi, pi, input_precision=PREC)
     yi = tl.dot(xr, pi, input_precision=PREC) + tl.dot(xi, pr, input_precision=PREC)
     return yr, yi
@@ -285,23 +289,23 @@ def _bwd_a_kernel(q_ptr, k_ptr, v_ptr, do_ptr, ub_ptr, gb_ptr, b_ptr, pw_ptr, a_
                   BV: tl.constexpr, PREC: tl.constexpr):
     _bwd_a(q_ptr=q_ptr, k_ptr=k_ptr, v_ptr=v_ptr, do_ptr=do_ptr, ub_ptr=ub_ptr, gb_ptr=gb_ptr, b_ptr=b_ptr,
            pw_ptr=pw_ptr, a_ptr=a_ptr, da_ptr=da_ptr, part_ptr=part_ptr, p_ptr=b_ptr, araw_ptr=a_ptr, dar_ptr=da_ptr,
-           T=T, NC=NC, H=H, M=M, K=K, V=V, C=C, BM=BM, BK=BK, BV=BV, PREC=PREC, MIXED=False)
+           T=T, NC=NC, H=H, M=M, K=K, V=V, C=C, BM=BM, BK=BK, BV=BV, PREC=PREC, MIXED=False, LOW=False)
 
 
 @triton.jit
 def _bwd_a_mixed_kernel(q_ptr, k_ptr, v_ptr, do_ptr, ub_ptr, gb_ptr, b_ptr, pw_ptr, a_ptr, da_ptr, part_ptr, p_ptr,
                         araw_ptr, dar_ptr, T, NC, H, M, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
-                        BM: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr):
+                        BM: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr, LOW: tl.constexpr):
     """_bwd_a_kernel with the readout P: also stores the unmixed a and d(a P) (araw, dar) for dP on the host."""
     _bwd_a(q_ptr=q_ptr, k_ptr=k_ptr, v_ptr=v_ptr, do_ptr=do_ptr, ub_ptr=ub_ptr, gb_ptr=gb_ptr, b_ptr=b_ptr,
            pw_ptr=pw_ptr, a_ptr=a_ptr, da_ptr=da_ptr, part_ptr=part_ptr, p_ptr=p_ptr, araw_ptr=araw_ptr,
-           dar_ptr=dar_ptr, T=T, NC=NC, H=H, M=M, K=K, V=V, C=C, BM=BM, BK=BK, BV=BV, PREC=PREC, MIXED=True)
+           dar_ptr=dar_ptr, T=T, NC=NC, H=H, M=M, K=K, V=V, C=C, BM=BM, BK=BK, BV=BV, PREC=PREC, MIXED=True, LOW=LOW)
 
 
 @triton.jit
 def _bwd_a(q_ptr, k_ptr, v_ptr, do_ptr, ub_ptr, gb_ptr, b_ptr, pw_ptr, a_ptr, da_ptr, part_ptr, p_ptr, araw_ptr,
            dar_ptr, T, NC, H, M, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BM: tl.constexpr,
-           BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr, MIXED: tl.constexpr):
+           BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr, MIXED: tl.constexpr, LOW: tl.constexpr):
     """a and da per token plus the intra-chunk parameter partials. MIXED (a readout P, o = Re(a P conj Gamma)): the
     dO side's readout is d(a P); the q side takes da = d(a P) P^H and the Gamma side a P, so a_ptr gets a P and
     da_ptr da, and the scans and gradient launches after this one run unchanged."""
@@ -320,8 +324,10 @@ def _bwd_a(q_ptr, k_ptr, v_ptr, do_ptr, ub_ptr, gb_ptr, b_ptr, pw_ptr, a_ptr, da
     if MIXED:
         _store_pair(araw_ptr, out, ar, ai, mo, M)
         _store_pair(dar_ptr, out, gr, gi, mo, M)
-        ar, ai = _mix_modes(xr=ar, xi=ai, p_ptr=p_ptr, i_h=i_h, om=om, mm=mm, M=M, PREC=PREC, ADJOINT=False)
-        gr, gi = _mix_modes(xr=gr, xi=gi, p_ptr=p_ptr, i_h=i_h, om=om, mm=mm, M=M, PREC=PREC, ADJOINT=True)
+        ar, ai = _mix_modes(xr=ar, xi=ai, p_ptr=p_ptr, i_h=i_h, om=om, mm=mm, M=M, PREC=PREC, ADJOINT=False, LOW=LOW,
+                            DT=DT)
+        gr, gi = _mix_modes(xr=gr, xi=gi, p_ptr=p_ptr, i_h=i_h, om=om, mm=mm, M=M, PREC=PREC, ADJOINT=True, LOW=LOW,
+                            DT=DT)
     _store_pair(a_ptr, out, ar, ai, mo, M)
     _store_pair(da_ptr, out, gr, gi, mo, M)
     # d(log lam), intra-chunk x inter-chunk: sum_t (j+1) [da conj(a_inter) + a conj(da_inter)]
@@ -542,7 +548,7 @@ def readout_fwd(q, k, v, ub, gb, b, pw, o, C, p=None, plan: InterdomainPlan = DE
                 num_warps=plan.warps("fwd"))
     if p is None:
         return _fwd_kernel[grid](**args, STACK=sizes["BM"] < plan.fwd_stack_below)
-    return _fwd_mixed_kernel[grid](**args, p_ptr=p)
+    return _fwd_mixed_kernel[grid](**args, p_ptr=p, LOW=plan.mix_in_input_dtype)
 
 
 def readout_bwd_a(q, k, v, do, ub, gb, b, pw, C, *, a, da, part, p=None, araw=None, dar=None,
@@ -554,7 +560,7 @@ def readout_bwd_a(q, k, v, do, ub, gb, b, pw, C, *, a, da, part, p=None, araw=No
                 part_ptr=part, **dims, **tiles(q, v, b, plan), num_warps=plan.warps("bwd_a"))
     if p is None:
         return _bwd_a_kernel[grid](**args)
-    return _bwd_a_mixed_kernel[grid](**args, p_ptr=p, araw_ptr=araw, dar_ptr=dar)
+    return _bwd_a_mixed_kernel[grid](**args, p_ptr=p, araw_ptr=araw, dar_ptr=dar, LOW=plan.mix_in_input_dtype)
 
 
 GRAD_PARTS = {"dq": 1, "dk": 2, "dv": 4}

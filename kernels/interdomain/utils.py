@@ -67,6 +67,11 @@ class InterdomainPlan:
     shapes, full readout, bf16, tools/results/interdomain-keep-states.md): fwd+bwd 7.44 against 7.91 ms at 12 x 64
     and 4K, 7.83 / 8.10 at 16K, 18.8 / 19.4 and 20.3 / 20.9 at 32 x 64 (3-6 % faster; the scans 0.98 against 1.46
     ms of kernels at 12 x 64, 4K), peak memory 2.46 against 2.08 GiB at 12 x 64 (+18 %).
+
+    mix_in_input_dtype: the readout kernels multiply the per-token a and d(a P) [C, M] by P [M, M] (the four real
+    products of _mix_modes) on operands cast to the inputs' dtype, as every other product there, instead of fp32
+    at tf32 (half the tensor-core rate of bf16, twice the operand bytes). No change for fp32 inputs. Off until
+    measured on the GPU.
     """
 
     warps_scan: int = 4
@@ -86,6 +91,7 @@ class InterdomainPlan:
     readout_on_gpu: bool = True
     fused_readout: bool = True
     keep_states: bool = True
+    mix_in_input_dtype: bool = False
 
     def __post_init__(self):
         # The custom ops take a plan as an int, its key in PLANS, read here as a plain attribute so that it also
