@@ -20,13 +20,11 @@ run_tests() {  # NAME PATHS...: stops at 290 s with a summary (SIGINT), the log 
 }
 
 if [ "$mode" = pending ]; then  # every GPU test passed on the H200 (669598c; fla at 513bef4; the Interdomain kernels
-  # at ea500e9; session 16's at c7dda94; session 17's at 6d2c00a: gpu-tests-2026-12-02.md row 22). Not yet run there
-  # (session 18): model.recompute=full as per-layer torch.utils.checkpoint inside the compiled graph, the 1.3B rows
-  # that megatron's full recomputation ran at 0.57x (bench_train-recompute.md), about 6 minutes. (Session 19's
-  # blocked CP shard summary passed its GPU tests at 1440cd6, session 21: gpu-tests-2026-12-02.md row 27.)
-  timeout -k 5 480 python3 tools/bench_train.py --rows 1.3b:full:4 1.3b:full:1:16384 --no-baseline \
-    --name bench_train-recompute-full --budget-s 450 --row-timeout-s 240 2>&1 | grep -v -i warn | tail -6
-  cp tools/results/bench_train-recompute-full.* "${OUT:-/tmp}/"
+  # at ea500e9; session 16's at c7dda94; session 17's at 6d2c00a: gpu-tests-2026-12-02.md row 22); tests/kernels at
+  # 0056fcb on an H100 (row 30); the 1.3B full-recompute rows ran there too (bench_train-recompute-full.md). Not yet
+  # run: the model tests with InterdomainPlan.mix_in_input_dtype on by default (the I and D layers' GPU training steps
+  # and the model-level GPU checks), about 4 minutes
+  run_tests model tests/test_train_gpu.py tests/test_model_gpu.py
 fi
 if [ "$mode" = s4d ]; then  # #12: the chunked S4D contraction, D's default since it ran 1.9x the FFT compiled (1440cd6,
   # session 21, tests 11 passed): its GPU tests, then FFT against chunks of 32 and 64 tokens, eager and compiled,
@@ -50,8 +48,8 @@ if [ "$mode" = keep-states ]; then  # #12: InterdomainPlan.keep_states (the back
     tests/kernels/test_custom_ops.py
 fi
 if [ "$mode" = mix ]; then  # #12: InterdomainPlan.mix_in_input_dtype (the readout kernels' a P and d(a P) P^H
-  # products in bf16 instead of fp32 at tf32): the paper shapes at 4K and 16K with it on and off; its GPU tests are
-  # test_readout_gpu_* [kernels-lowmix] in the kernels mode
+  # products in bf16 instead of fp32 at tf32; the default since 0056fcb's H100 run: 7.04 against 7.46 ms at 12 x 64,
+  # 4K): the paper shapes at 4K and 16K with it on and off; its GPU tests: test_readout_gpu_* in the kernels mode
   for p in mix_in_input_dtype=true mix_in_input_dtype=false; do
     timeout -k 5 130 python3 tools/bench_interdomain.py --paper --quick --budget-s 90 --plan $p 2>&1 |
       grep -v -i warn | tail -7

@@ -107,11 +107,11 @@ def test_readout_kernels_match_naive(nan_empty, T, M, K, V, C, normalize):
     compare_readout(inputs, make_readout(2, M, normalize), FP32_TOL, normalize=normalize, chunk_size=C)
 
 
-def test_readout_kernels_mixing_in_input_dtype(nan_empty):
-    """InterdomainPlan.mix_in_input_dtype builds and computes the same in the interpreter (fp32: the cast is a no-op
-    there; the GPU tests check it in bf16)."""
+def test_readout_kernels_mixing_in_fp32(nan_empty):
+    """InterdomainPlan(mix_in_input_dtype=False), the mode mixing on fp32 operands, builds and computes the same in
+    the interpreter (fp32 inputs: the default's cast is a no-op there; the GPU tests check both in bf16)."""
     inputs = make_inputs(1, 100, 2, 16, 24, 32, device="cpu")
-    compare_readout(inputs, make_readout(2, 32), FP32_TOL, plan=interdomain.InterdomainPlan(mix_in_input_dtype=True))
+    compare_readout(inputs, make_readout(2, 32), FP32_TOL, plan=interdomain.InterdomainPlan(mix_in_input_dtype=False))
 
 
 def test_dispatch(monkeypatch):
@@ -238,7 +238,8 @@ def interdomain_torch_fp32(torch_chunk, q, k, v, decay, b, initial_state, output
 @pytest.fixture(params=["torch", "kernels", "kernels-lowmix"])
 def gpu_readout(request):
     """A plan sending a readout on the GPU through the torch path or the chunk kernels (plan.readout_on_gpu, on
-    by default), the latter also with the mode mixing in the inputs' dtype (plan.mix_in_input_dtype)."""
+    by default), the latter with the mode mixing in fp32 and in the inputs' dtype (plan.mix_in_input_dtype, the
+    default)."""
     return interdomain.InterdomainPlan(readout_on_gpu=request.param != "torch",
                                        mix_in_input_dtype=request.param == "kernels-lowmix")
 
