@@ -19,6 +19,18 @@ run_tests() {  # NAME PATHS...: stops at 290 s with a summary (SIGINT), the log 
     "$@" 2>&1 | tee "${OUT:-/tmp}/gpu-tests-$name.log" | grep -E "^(FAILED|ERROR)|Timeout|passed|failed"
 }
 
+paper_plans() {  # LIMIT_S BUDGET_S PLAN...: the paper shapes at 4K and 16K once per InterdomainPlan override
+  # (FIELD=VALUE), each result in $OUT as interdomain-paper-FIELD-VALUE.{md,json}
+  local limit=$1 budget=$2 p
+  shift 2
+  for p in "$@"; do
+    timeout -k 5 "$limit" python3 tools/bench_interdomain.py --paper --quick --budget-s "$budget" --plan "$p" 2>&1 |
+      grep -v -i warn | tail -7
+    cp tools/results/interdomain-paper-plan.md "${OUT:-/tmp}/interdomain-paper-${p/=/-}.md"
+    cp tools/results/interdomain-paper-plan.json "${OUT:-/tmp}/interdomain-paper-${p/=/-}.json"
+  done
+}
+
 if [ "$mode" = pending ]; then  # every GPU test passed on the H200 (669598c; fla at 513bef4; the Interdomain kernels
   # at ea500e9; session 16's at c7dda94; session 17's at 6d2c00a: gpu-tests-2026-12-02.md row 22); tests/kernels at
   # 0056fcb on an H100 (row 30); the 1.3B full-recompute rows ran there too (bench_train-recompute-full.md). Not yet
@@ -38,24 +50,14 @@ if [ "$mode" = keep-states ]; then  # #12: InterdomainPlan.keep_states (the back
   # instead of rescanning; the default since the H100 run at cb126b0: 7.44 against 7.91 ms at 12 x 64, 4K): the
   # paper shapes at 4K and 16K with it on and off, then the Interdomain kernel tests (test_segmented_scans_gpu_bf16
   # runs it both ways); on an H200 (10a28ad, rescanning): 7.19 / 7.30 ms at 12 x 64, 0.52x / 1.83x cuDNN
-  for p in keep_states=true keep_states=false; do
-    timeout -k 5 150 python3 tools/bench_interdomain.py --paper --quick --budget-s 100 --plan $p 2>&1 |
-      grep -v -i warn | tail -7
-    cp tools/results/interdomain-paper-plan.md "${OUT:-/tmp}/interdomain-paper-${p/=/-}.md"
-    cp tools/results/interdomain-paper-plan.json "${OUT:-/tmp}/interdomain-paper-${p/=/-}.json"
-  done
+  paper_plans 150 100 keep_states=true keep_states=false
   run_tests interdomain tests/kernels/test_interdomain.py tests/kernels/test_interdomain_torch.py \
     tests/kernels/test_custom_ops.py
 fi
 if [ "$mode" = mix ]; then  # #12: InterdomainPlan.mix_in_input_dtype (the readout kernels' a P and d(a P) P^H
   # products in bf16 instead of fp32 at tf32; the default since 0056fcb's H100 run: 7.04 against 7.46 ms at 12 x 64,
   # 4K): the paper shapes at 4K and 16K with it on and off; its GPU tests: test_readout_gpu_* in the kernels mode
-  for p in mix_in_input_dtype=true mix_in_input_dtype=false; do
-    timeout -k 5 130 python3 tools/bench_interdomain.py --paper --quick --budget-s 90 --plan $p 2>&1 |
-      grep -v -i warn | tail -7
-    cp tools/results/interdomain-paper-plan.md "${OUT:-/tmp}/interdomain-paper-${p/=/-}.md"
-    cp tools/results/interdomain-paper-plan.json "${OUT:-/tmp}/interdomain-paper-${p/=/-}.json"
-  done
+  paper_plans 130 90 mix_in_input_dtype=true mix_in_input_dtype=false
 fi
 if [ "$mode" = s4d-pieces ]; then  # #12/#13: where a 125M `D` layer call's time goes next to `I`'s (8 x 4096 tokens,
   # compiled): input path, conv, norms, the contraction chunked and by FFT, output projection; D trains at 180.2K
