@@ -341,6 +341,16 @@ def test_results_summary_keeps_going_on_any_json(tmp_path):
     assert "tok/s, MFU" in text and "NAtS attention T=4096" in text and "interdomain C=64 T=16384 M=32" in text
     assert "| D chunked-64 compiled 12 heads T=4096 fwd+bwd | 9.46 ms | Interdomain op 7.29 ms |" in text
     assert "Notes and raw logs (no JSON beside them): [notes.log](notes.log)." in text  # not ppl.md
+    rerun = {"meta": {"date": "2026-12-03", "commit": "old1234"}, "rows": [
+        {"preset": "125m@I", "seq": 4096, "micro": 8, "tok/s": 1000.0, "commit": "old1234"},
+        {"preset": "125m@S", "seq": 4096, "micro": 8, "tok/s": 3000.0, "commit": "old1234"},
+        {"preset": "125m@I", "seq": 4096, "micro": 8, "tok/s": 2000.0, "commit": "new5678"}]}
+    (tmp_path / "rerun.json").write_text(json.dumps(rerun))
+    assert summary.main(["--results", str(tmp_path)]) == 0
+    rows = [line for line in (tmp_path / "README.md").read_text().splitlines() if "[rerun.json]" in line]
+    assert len(rows) == 2 and "2,000 tok/s" in rows[0] and "new5678" in rows[0] and "125m@S" in rows[1], rows
+    (tmp_path / "rerun.json").unlink()
+    assert summary.main(["--results", str(tmp_path)]) == 0
     assert summary.main(["--results", str(tmp_path), "--check"]) == 0
     (tmp_path / "ppl-2026-12-02.json").write_text(json.dumps(ppl))
     assert summary.main(["--results", str(tmp_path)]) == 0

@@ -174,6 +174,16 @@ def headlines(name: str, data) -> list[tuple]:
     return [(name, f"{len(rows)} rows", "tuning data, no headline rule: see the .md beside it")]
 
 
+def latest(lines: list[tuple]) -> list[tuple]:
+    """One headline per setting: a tool that appends a later run's rows to its file (bench_train's
+    --continue-from, rows re-measured at a newer commit) supersedes the earlier row of the same setting, which
+    keeps its place in the table."""
+    by_what = {}
+    for line in lines:
+        by_what[line[0]] = line
+    return list(by_what.values())
+
+
 def render(results_dir: str) -> str:
     lines = ["# Measured results", "",
              "The current result of each benchmark (one file per family, overwritten by the tool that measures it; "
@@ -189,7 +199,7 @@ def render(results_dir: str) -> str:
         if family in variants:
             continue
         meta = _meta(data)
-        for what, value, anchor, *row_commit in headlines(family, data):  # a row may name its own commit
+        for what, value, anchor, *row_commit in latest(headlines(family, data)):  # a row may name its own commit
             commit = row_commit[0] if row_commit and row_commit[0] else meta.get("commit", "-")
             cells = [what, value, anchor, str(meta.get("date", "-")), str(meta.get("gpu") or meta.get("device") or "-"),
                      str(commit), f"[{name}]({name})"]
