@@ -75,6 +75,12 @@ class InterdomainPlan:
     against 7.46 ms at 12 x 64 and 4K, 7.42 / 7.85 at 16K, 17.7 / 18.8 and 19.2 / 20.3 at 32 x 64 (5-6 %;
     _bwd_a_mixed_kernel 2.55 against 2.99 ms, _fwd_mixed_kernel 1.21 against 1.18); the bf16 and fp32 readout tests
     on the GPU passed with it against the fp32 reference at the same tolerances (test_readout_gpu_*[kernels-lowmix]).
+
+    keep_a: the forward stores its per-token readout coefficients a (a P with a readout), the unmixed a (with a
+    readout) and a's inter-chunk part, [B, T, H, 2, M] each in the coefficient dtype (bf16 for bf16 inputs, else
+    fp32), and the backward's first kernel reads them instead of recomputing the query side (the products against
+    U_c and the power table, and the mixing by P): only Q K^T is recomputed. The cost is memory and traffic, linear
+    in T: 6 M numbers per token and head (384 at M = 64; 4 M without a readout). Not measured yet, so off.
     """
 
     warps_scan: int = 4
@@ -95,6 +101,7 @@ class InterdomainPlan:
     fused_readout: bool = True
     keep_states: bool = True
     mix_in_input_dtype: bool = True
+    keep_a: bool = False
 
     def __post_init__(self):
         # The custom ops take a plan as an int, its key in PLANS, read here as a plain attribute so that it also
@@ -123,6 +130,12 @@ def uses_torch_path(q, readout=None, normalize=False, plan: InterdomainPlan = DE
     if q.device.type == "cpu":
         return use_torch_path(q)
     return readout is not None and (not plan.readout_on_gpu or normalize)
+
+
+def coef_dtype(q: torch.Tensor) -> torch.dtype:
+    """The dtype of the per-token readout coefficients a, da: they feed bf16 products and scan coefficients only, so
+    a 16-bit copy of bf16 runs loses nothing."""
+    return torch.bfloat16 if q.dtype == torch.bfloat16 else torch.float32
 
 
 def readout_p(readout):
