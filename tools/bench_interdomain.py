@@ -153,7 +153,7 @@ def _launches(T, M, C=64):
     _, _, _, fwd_starts, kept = interdomain_fwd(q, k, v, decay, b, chunk_size=C,
                                                 plan=dataclasses.replace(DEFAULT_PLAN, keep_states=True, keep_a=True))
     kept_by = lambda plan: (kept[:2] if plan.keep_states else (None,) * 2) + (  # noqa: E731
-        kept[2:] if plan.keep_a else (None,) * 3)
+        kept[2:] if plan.keep_a else (None,) * 4)
     totals = {"fwd total": lambda plan: interdomain_fwd(q, k, v, decay, b, chunk_size=C, plan=plan),
               "bwd total": lambda plan: interdomain_bwd(q, k, v, decay, b, None, None, do, None, None, C, fwd_starts,
                                                         plan=plan, kept=kept_by(plan))}

@@ -27,33 +27,29 @@ def interdomain_fwd(q, k, v, decay, b, u0=None, g0=None, chunk_size=64, p=None,
     Returns o [B, T, H, V], the final U, G [B, H, 2, M, K/V] fp32, the U and G scans' segment start states (None
     unsegmented; small: one state per plan.scan_segment chunks) and what else the backward takes of this pass, as
     `kept` of interdomain_bwd: with plan.keep_states the chunk-boundary states U, G [B, H, NC, 2, M, K/V], with
-    plan.keep_a the readout coefficients (a, araw, a_inter) [B, T, H, 2, M] (araw None without a readout), None
-    where not kept."""
+    plan.keep_a the readout coefficients (a, araw, a_inter) [B, T, H, 2, M] (araw None without a readout) and the
+    chunks' sheared Q K^T [B, H, NC, C, C], None where not kept."""
     C = chunk_size
     pw = powers(decay, C)
     ub, uf, su = scan(k, b, pw, decay, C, x0=u0, plan=plan)
     gb, gf, sg = scan(v, b, pw, decay, C, x0=g0, plan=plan)
     o = torch.empty_like(v)
-    keep = None
-    if plan.keep_a:
-        B, T, H, _ = q.shape
-        keep = tuple(q.new_empty(B, T, H, 2, b.shape[1], dtype=coef_dtype(q)) if i != 1 or p is not None else None
-                     for i in range(3))
+    keep = _kept_a(q, b, p, C, plan, empty=lambda _: None) if plan.keep_a else None
     readout_fwd(q, k, v, ub, gb, b, pw, o, C, p=p, plan=plan, keep=keep)
-    return o, uf, gf, (su, sg), ((ub, gb) if plan.keep_states else (None, None)) + (keep or (None, None, None))
+    return o, uf, gf, (su, sg), ((ub, gb) if plan.keep_states else (None, None)) + (keep or (None,) * 4)
 
 
 def interdomain_bwd(q, k, v, decay, b, u0, g0, do, duf, dgf, chunk_size=64, starts=(None, None), p=None,
-                    plan: InterdomainPlan = DEFAULT_PLAN, kept=(None,) * 5):
+                    plan: InterdomainPlan = DEFAULT_PLAN, kept=(None,) * 6):
     """Backward: dq, dk, dv, ddecay, db, du0, dg0 (du0/dg0 None when there was no initial state), dp (None without
     a readout). starts: the forward's segment start states (interdomain_fwd), so that recomputing its states takes
     one pass over k and v; kept: the forward's chunk-boundary states U, G (plan.keep_states), which skip that
-    pass, and its readout coefficients a, araw, a_inter (plan.keep_a), which skip the query side of the first
-    readout kernel; None where not kept."""
+    pass, and its readout coefficients a, araw, a_inter and sheared Q K^T (plan.keep_a), which skip the query
+    side of the first readout kernel; None where not kept."""
     B, T, H, _ = q.shape
     C, M, NC = chunk_size, b.shape[1], triton.cdiv(T, chunk_size)
     pw = powers(decay, C)
-    ub, gb, a, araw, a_inter = kept
+    ub, gb, a, araw, a_inter, gram = kept
     if ub is None:
         ub, _, _ = scan(k, b, pw, decay, C, x0=u0, starts=starts[0], plan=plan)
         gb, _, _ = scan(v, b, pw, decay, C, x0=g0, starts=starts[1], plan=plan)
@@ -63,12 +59,13 @@ def interdomain_bwd(q, k, v, decay, b, u0, g0, do, duf, dgf, chunk_size=64, star
     part_a = q.new_empty(B, H, NC, 4, M, dtype=torch.float32)
     dp = None
     if p is None:
-        readout_bwd_a(q, k, v, do, ub, gb, b, pw, C, a=a, da=da, part=part_a, a_inter=a_inter, plan=plan)
+        readout_bwd_a(q, k, v, do, ub, gb, b, pw, C, a=a, da=da, part=part_a, a_inter=a_inter, gram=gram,
+                      plan=plan)
     else:
         araw = torch.empty_like(a) if a_inter is None else araw
         dar = torch.empty_like(a)  # bf16 runs: dP is a bf16 product (readout_p_grad)
         readout_bwd_a(q, k, v, do, ub, gb, b, pw, C, a=a, da=da, part=part_a, p=p, araw=araw, dar=dar,
-                      a_inter=a_inter, plan=plan)
+                      a_inter=a_inter, gram=gram, plan=plan)
         dp = readout_p_grad(araw, dar)
     rub, du0, _ = scan(q, b, pw, decay, C, c=da, x0=duf, rev=True, plan=plan)
     rgb, dg0, _ = scan(do, b, pw, decay, C, c=a, x0=dgf, rev=True, plan=plan)
@@ -112,11 +109,11 @@ def interdomain_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, decay:
                        u0: torch.Tensor | None, g0: torch.Tensor | None, p: torch.Tensor | None, chunk_size: int,
                        plan_id: int, check_values: bool = True
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-                                  torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                                  torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """interdomain_fwd on contiguous inputs: o, the final U and G, then what the backward takes back: the scans'
     segment start states (empty unsegmented or where the states are kept), the kept chunk-boundary states (empty
-    without plan.keep_states) and the kept readout coefficients a, araw, a_inter (empty without plan.keep_a; araw
-    empty without a readout)."""
+    without plan.keep_states) and the kept readout coefficients a, araw, a_inter and sheared Q K^T (empty without
+    plan.keep_a; araw empty without a readout)."""
     if check_values:
         check_decay(decay)
     o, uf, gf, starts, kept = interdomain_fwd(q, k, v, decay, b, u0, g0, chunk_size, p, PLANS[plan_id])
@@ -140,13 +137,16 @@ def _kept(z, b, chunk_size, plan):
     return z.new_empty(B, H, triton.cdiv(T, chunk_size), 2, b.shape[1], D)
 
 
-def _kept_a(q, b, p, plan):
-    """The fakes of the kept readout coefficients a, araw, a_inter, or of their empty stand-ins."""
+def _kept_a(q, b, p, chunk_size, plan, empty=absent):
+    """Buffers (or fakes) for what plan.keep_a keeps: a, araw, a_inter [B, T, H, 2, M] in the coefficient dtype and
+    the chunks' sheared Q K^T [B, H, NC, C, C] in q's dtype; empty(q) where a case keeps none (araw without a
+    readout; all four without plan.keep_a)."""
+    if not plan.keep_a:
+        return tuple(empty(q) for _ in range(4))
     B, T, H, _ = q.shape
     coef = lambda: q.new_empty(B, T, H, 2, b.shape[1], dtype=coef_dtype(q))  # noqa: E731
-    if not plan.keep_a:
-        return absent(q), absent(q), absent(q)
-    return coef(), coef() if p is not None else absent(q), coef()
+    gram = q.new_empty(B, H, triton.cdiv(T, chunk_size), chunk_size, chunk_size)
+    return coef(), coef() if p is not None else empty(q), coef(), gram
 
 
 @interdomain_fwd_op.register_fake
@@ -157,25 +157,25 @@ def _(q, k, v, decay, b, u0, g0, p, chunk_size, plan_id, check_values=True):
     return (torch.empty_like(v), q.new_empty(B, H, 2, M, K, **f32), q.new_empty(B, H, 2, M, V, **f32),
             q.new_empty(_starts_shape(k, b, chunk_size, plan), **f32),
             q.new_empty(_starts_shape(v, b, chunk_size, plan), **f32), _kept(k, b, chunk_size, plan),
-            _kept(v, b, chunk_size, plan), *_kept_a(q, b, p, plan))
+            _kept(v, b, chunk_size, plan), *_kept_a(q, b, p, chunk_size, plan))
 
 
 @torch.library.custom_op("megahybrid::interdomain_bwd", mutates_args=())
 def interdomain_bwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, decay: torch.Tensor, b: torch.Tensor,
                        u0: torch.Tensor | None, g0: torch.Tensor | None, p: torch.Tensor | None, su: torch.Tensor,
                        sg: torch.Tensor, ub: torch.Tensor, gb: torch.Tensor, ka: torch.Tensor, kraw: torch.Tensor,
-                       kinter: torch.Tensor, do: torch.Tensor,
+                       kinter: torch.Tensor, kgram: torch.Tensor, do: torch.Tensor,
                        duf: torch.Tensor | None, dgf: torch.Tensor | None, chunk_size: int,
                        plan_id: int) -> list[torch.Tensor]:
     """interdomain_bwd: dq, dk, dv, ddecay, db, du0, dg0, dp (the last three empty where their input was None)."""
     grads = interdomain_bwd(q, k, v, decay, b, u0, g0, do, duf, dgf, chunk_size,
                             (present(su), present(sg)), p, PLANS[plan_id],
-                            tuple(present(t) for t in (ub, gb, ka, kraw, kinter)))
+                            tuple(present(t) for t in (ub, gb, ka, kraw, kinter, kgram)))
     return [absent(q) if g is None else g for g in grads]
 
 
 @interdomain_bwd_op.register_fake
-def _(q, k, v, decay, b, u0, g0, p, su, sg, ub, gb, ka, kraw, kinter, do, duf, dgf, chunk_size, plan_id):
+def _(q, k, v, decay, b, u0, g0, p, su, sg, ub, gb, ka, kraw, kinter, kgram, do, duf, dgf, chunk_size, plan_id):
     like = lambda t: absent(q) if t is None else torch.empty_like(t)  # noqa: E731
     return [torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(decay),
             torch.empty_like(b), like(u0), like(g0), like(p)]
@@ -183,7 +183,7 @@ def _(q, k, v, decay, b, u0, g0, p, su, sg, ub, gb, ka, kraw, kinter, do, duf, d
 
 def _setup_context(ctx, inputs, output):
     q, k, v, decay, b, u0, g0, p, chunk_size, plan_id, *_ = inputs
-    ctx.save_for_backward(q, k, v, decay, b, u0, g0, p, *output[3:10])
+    ctx.save_for_backward(q, k, v, decay, b, u0, g0, p, *output[3:11])
     ctx.chunk_size, ctx.plan_id = chunk_size, plan_id
 
 

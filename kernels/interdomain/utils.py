@@ -78,9 +78,10 @@ class InterdomainPlan:
 
     keep_a: the forward stores its per-token readout coefficients a (a P with a readout), the unmixed a (with a
     readout) and a's inter-chunk part, [B, T, H, 2, M] each in the coefficient dtype (bf16 for bf16 inputs, else
-    fp32), and the backward's first kernel reads them instead of recomputing the query side (the products against
-    U_c and the power table, and the mixing by P): only Q K^T is recomputed. The cost is memory and traffic, linear
-    in T: 6 M numbers per token and head (384 at M = 64; 4 M without a readout). Not measured yet, so off.
+    fp32), and each chunk's sheared Q K^T [C, C] in the inputs' dtype; the backward's first kernel reads them
+    instead of recomputing its query side (Q K^T, the products against U_c and the power table, the mixing by P).
+    The cost is memory and traffic, linear in T: 6 M + C numbers per token and head (448 at M = C = 64; 4 M + C
+    without a readout). Not measured yet, so off.
     """
 
     warps_scan: int = 4

@@ -50,11 +50,11 @@ def test_custom_op_registration(plan, with_state, with_readout):
         assert outs[5].shape == (1, 2, 7, 2, 8, 16) and outs[6].shape == (1, 2, 7, 2, 8, 24)
     else:
         assert outs[5].numel() == 0 and outs[6].numel() == 0
-    if plan.keep_a:  # a, the unmixed a (with a readout only) and a's inter-chunk part, [B, T, H, 2, M]
-        assert outs[7].shape == outs[9].shape == (1, 100, 2, 2, 8)
+    if plan.keep_a:  # a, the unmixed a (with a readout only), a's inter-chunk part, the sheared Q K^T per chunk
+        assert outs[7].shape == outs[9].shape == (1, 100, 2, 2, 8) and outs[10].shape == (1, 2, 7, 16, 16)
         assert outs[8].shape == ((1, 100, 2, 2, 8) if with_readout else (0,))
     else:
-        assert all(t.numel() == 0 for t in outs[7:10])
+        assert all(t.numel() == 0 for t in outs[7:11])
     torch.library.opcheck(interdomain_fwd_op, args)
 
 
