@@ -2,6 +2,7 @@
 helpers (complex product, power-table read) that both the scans and the readout kernels use."""
 import dataclasses
 import hashlib
+import os
 from dataclasses import dataclass
 
 import torch
@@ -12,6 +13,27 @@ from megahybrid_kernels._triton import use_torch_path
 
 
 PLANS: dict = {}  # every distinct InterdomainPlan made, by its plan_id
+
+
+def _source_digest() -> str:
+    """A digest of this package's source files."""
+    here, digest = os.path.dirname(os.path.abspath(__file__)), hashlib.sha256()
+    for name in sorted(os.listdir(here)):
+        if name.endswith(".py"):
+            with open(os.path.join(here, name), "rb") as f:
+                digest.update(f.read())
+    return digest.hexdigest()
+
+
+SOURCE_DIGEST = _source_digest()
+
+
+def plan_key(fields: tuple, source: str = SOURCE_DIGEST) -> int:
+    """A plan's key: 60 bits (an int64 argument of the custom ops) of a digest of its fields and of the op's source.
+    The source is in it because inductor's on-disk cache keys a graph on the ops it calls, not on their schemas: a
+    graph compiled against an earlier version of the op (keep_a added four outputs) was served to the new one and
+    failed with a schema error, as a resumed run would after an upgrade."""
+    return int(hashlib.sha256((repr(fields) + source).encode()).hexdigest()[:15], 16)
 
 
 @dataclass(frozen=True)
@@ -111,8 +133,7 @@ class InterdomainPlan:
         # of the plan's fields, not an index: a compiled graph bakes it in, and inductor's on-disk cache (shared
         # across processes and code versions) must not hand a graph built for one plan to another, as an index
         # would when plans are made in another order or a default changes (the fake outputs' shapes depend on it).
-        digest = hashlib.sha256(repr(dataclasses.astuple(self)).encode()).hexdigest()
-        plan_id = int(digest[:15], 16)  # 60 bits: an int64 argument of the custom ops
+        plan_id = plan_key(dataclasses.astuple(self))
         object.__setattr__(self, "plan_id", plan_id)
         PLANS.setdefault(plan_id, self)
 

@@ -4,11 +4,13 @@ graph (fullgraph=True) with the same outputs and gradients as eager.
 
 On CPU the kernels run in Triton's interpreter (conftest sets TRITON_INTERPRET=1), small fp32 shapes; the compiled
 callers also on the GPU (fp32)."""
+import dataclasses
+
 import pytest
 import torch
 
 from megahybrid_kernels.interdomain import DEFAULT_PLAN, InterdomainPlan, interdomain_attention, interdomain_fwd_op
-from megahybrid_kernels.interdomain.utils import PLANS
+from megahybrid_kernels.interdomain.utils import PLANS, plan_key
 from megahybrid_kernels.interdomain.chunk import readout_p
 from megahybrid_kernels.nats.attention import chunk as attention_chunk
 from megahybrid_kernels.nats.gdn import chunk as gdn_chunk
@@ -93,6 +95,8 @@ def test_plan_key_is_stable():
     assert InterdomainPlan().plan_id == DEFAULT_PLAN.plan_id
     assert SEGMENTED.plan_id == InterdomainPlan(scan_segment=2, scan_segment_above=2, keep_states=False).plan_id
     assert KEPT.plan_id == DEFAULT_PLAN.plan_id != InterdomainPlan(keep_states=False).plan_id
+    fields = dataclasses.astuple(DEFAULT_PLAN)  # another version of the op's source: another key
+    assert plan_key(fields) == DEFAULT_PLAN.plan_id != plan_key(fields, source="an earlier version")
     assert len({DEFAULT_PLAN.plan_id, SEGMENTED.plan_id, InterdomainPlan(warps_fwd=8).plan_id}) == 3
     assert PLANS[KEPT.plan_id] == KEPT and 0 < KEPT.plan_id < 2**63
 
