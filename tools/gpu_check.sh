@@ -63,8 +63,8 @@ if [ "$mode" = keep-a ]; then  # #12: InterdomainPlan.keep_a (the forward stores
   # part; the backward's first kernel recomputes only Q K^T of the query side): the paper shapes at 4K and 16K with
   # it on and off, then its GPU tests against the fp32 reference (the readout's at M = 32 and 64, bf16 and fp32,
   # and without a readout)
-  paper_plans 130 90 keep_a=true keep_a=false
-  run_tests keep-a tests/kernels/test_interdomain_torch.py tests/kernels/test_interdomain.py -k "readout_gpu or keep_a"
+  paper_plans 120 80 keep_a=true keep_a=false
+  run_tests keep-a tests/kernels/test_interdomain_torch.py tests/kernels/test_interdomain.py -k "keep-a or keep_a"
 fi
 if [ "$mode" = s4d-pieces ]; then  # #12/#13: where a 125M `D` layer call's time goes next to `I`'s (8 x 4096 tokens,
   # compiled): input path, conv, norms, the contraction chunked and by FFT, output projection; D trains at 180.2K
