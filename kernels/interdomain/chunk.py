@@ -34,9 +34,9 @@ def interdomain_fwd(q, k, v, decay, b, u0=None, g0=None, chunk_size=64, p=None,
     ub, uf, su = scan(k, b, pw, decay, C, x0=u0, plan=plan)
     gb, gf, sg = scan(v, b, pw, decay, C, x0=g0, plan=plan)
     o = torch.empty_like(v)
-    keep = _kept_a(q, b, p, C, plan, empty=lambda _: None) if plan.keep_a else None
-    readout_fwd(q, k, v, ub, gb, b, pw, o, C, p=p, plan=plan, keep=keep)
-    return o, uf, gf, (su, sg), ((ub, gb) if plan.keep_states else (None, None)) + (keep or (None,) * 4)
+    keep = _kept_a(q, b, p, C, plan, empty=lambda _: None)
+    readout_fwd(q, k, v, ub, gb, b, pw, o, C, p=p, plan=plan, keep=keep if plan.keep_a else None)
+    return o, uf, gf, (su, sg), ((ub, gb) if plan.keep_states else (None, None)) + keep
 
 
 def interdomain_bwd(q, k, v, decay, b, u0, g0, do, duf, dgf, chunk_size=64, starts=(None, None), p=None,
@@ -188,9 +188,10 @@ def _setup_context(ctx, inputs, output):
 
 
 def _backward(ctx, do, duf, dgf, *_unused):  # no gradient flows into the starts or the kept states
+    saved = ctx.saved_tensors
     dq, dk, dv, ddecay, db, du0, dg0, dp = interdomain_bwd_op(
-        *ctx.saved_tensors, do.contiguous(), _opt(duf), _opt(dgf), ctx.chunk_size, ctx.plan_id)
-    u0, g0, p = ctx.saved_tensors[5:8]
+        *saved, do.contiguous(), _opt(duf), _opt(dgf), ctx.chunk_size, ctx.plan_id)
+    u0, g0, p = saved[5:8]
     return (dq, dk, dv, ddecay, db, du0 if u0 is not None else None, dg0 if g0 is not None else None,
             dp if p is not None else None, None, None, None)
 

@@ -144,6 +144,13 @@ def _gram_tile(kg_ptr, i_bh, NC, ic, oc, C: tl.constexpr, TRANS: tl.constexpr = 
 
 
 @triton.jit
+def _keep_query_side(ki_ptr, kg_ptr, out, mo, par, pai, shq, i_bh, NC, ic, oc, M, C: tl.constexpr):
+    """What both forward kernels keep (KEEP) beside a: a's inter-chunk part and the chunk's sheared Q K^T."""
+    _store_pair(ki_ptr, out, par, pai, mo, M)
+    tl.store(_gram_tile(kg_ptr, i_bh, NC, ic, oc, C), shq)
+
+
+@triton.jit
 def _load_pair(ptr, out, mask, M):
     """_store_pair's tile read back as fp32 (re, im)."""
     return (tl.load(ptr + out, mask=mask, other=0.0).to(tl.float32),
@@ -210,8 +217,7 @@ def _fwd_kernel(q_ptr, k_ptr, v_ptr, ub_ptr, gb_ptr, b_ptr, pw_ptr, o_ptr, ka_pt
     if KEEP:
         out, mo = _pair_tile(rows, ok, om, mm, M)
         _store_pair(ka_ptr, out, ar, ai, mo, M)
-        _store_pair(ki_ptr, out, par, pai, mo, M)
-        tl.store(_gram_tile(kg_ptr, i_bh, NC, ic, oc, C), shq)
+        _keep_query_side(ki_ptr, kg_ptr, out, mo, par, pai, shq, i_bh, NC, ic, oc, M, C)
     if STACK:
         gb = gb_ptr + (i_bh * NC + ic) * 2 * M * V
         _fwd_o_stacked(v_ptr=v_ptr, o_ptr=o_ptr, gb=gb, b_ptr=b_ptr, pw=pw, ar=ar, ai=ai, rows=rows, ok=ok, oc=oc,
@@ -253,8 +259,7 @@ def _fwd_mixed_kernel(q_ptr, k_ptr, v_ptr, ub_ptr, gb_ptr, b_ptr, pw_ptr, p_ptr,
     out, mo = _pair_tile(rows, ok, om, mm, M)
     if KEEP:
         _store_pair(kr_ptr, out, ar, ai, mo, M)
-        _store_pair(ki_ptr, out, par, pai, mo, M)
-        tl.store(_gram_tile(kg_ptr, i_bh, NC, ic, oc, C), shq)
+        _keep_query_side(ki_ptr, kg_ptr, out, mo, par, pai, shq, i_bh, NC, ic, oc, M, C)
     ar, ai = _mix_modes(xr=ar, xi=ai, p_ptr=p_ptr, i_h=i_h, om=om, mm=mm, M=M, PREC=PREC, ADJOINT=False, LOW=LOW,
                         DT=q_ptr.dtype.element_ty)
     if KEEP:
@@ -326,26 +331,26 @@ def _fwd_o_stacked(v_ptr, o_ptr, gb, b_ptr, pw, ar, ai, rows, ok, oc, om, mm, i_
 
 
 @triton.jit
-def _bwd_a_kernel(q_ptr, k_ptr, v_ptr, do_ptr, ub_ptr, gb_ptr, b_ptr, pw_ptr, a_ptr, da_ptr, part_ptr, ki_ptr, kg_ptr, T,
-                  NC, H, M, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
-                  BV: tl.constexpr, PREC: tl.constexpr, KEPT: tl.constexpr = False):
+def _bwd_a_kernel(q_ptr, k_ptr, v_ptr, do_ptr, ub_ptr, gb_ptr, b_ptr, pw_ptr, a_ptr, da_ptr, part_ptr, ki_ptr,
+                  kg_ptr, T, NC, H, M, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BM: tl.constexpr,
+                  BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr, KEPT: tl.constexpr = False):
     _bwd_a(q_ptr=q_ptr, k_ptr=k_ptr, v_ptr=v_ptr, do_ptr=do_ptr, ub_ptr=ub_ptr, gb_ptr=gb_ptr, b_ptr=b_ptr,
            pw_ptr=pw_ptr, a_ptr=a_ptr, da_ptr=da_ptr, part_ptr=part_ptr, p_ptr=b_ptr, araw_ptr=a_ptr, dar_ptr=da_ptr,
-           ki_ptr=ki_ptr, kg_ptr=kg_ptr, T=T, NC=NC, H=H, M=M, K=K, V=V, C=C, BM=BM, BK=BK, BV=BV, PREC=PREC, MIXED=False, LOW=False,
-           KEPT=KEPT)
+           ki_ptr=ki_ptr, kg_ptr=kg_ptr, T=T, NC=NC, H=H, M=M, K=K, V=V, C=C, BM=BM, BK=BK, BV=BV, PREC=PREC,
+           MIXED=False, LOW=False, KEPT=KEPT)
 
 
 @triton.jit
 def _bwd_a_mixed_kernel(q_ptr, k_ptr, v_ptr, do_ptr, ub_ptr, gb_ptr, b_ptr, pw_ptr, a_ptr, da_ptr, part_ptr, p_ptr,
-                        araw_ptr, dar_ptr, ki_ptr, kg_ptr, T, NC, H, M, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
-                        BM: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr, LOW: tl.constexpr,
-                        KEPT: tl.constexpr = False):
+                        araw_ptr, dar_ptr, ki_ptr, kg_ptr, T, NC, H, M, K: tl.constexpr, V: tl.constexpr,
+                        C: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
+                        LOW: tl.constexpr, KEPT: tl.constexpr = False):
     """_bwd_a_kernel with the readout P: also stores the unmixed a and d(a P) (araw, dar) for dP on the host (KEPT:
     the forward stored araw)."""
     _bwd_a(q_ptr=q_ptr, k_ptr=k_ptr, v_ptr=v_ptr, do_ptr=do_ptr, ub_ptr=ub_ptr, gb_ptr=gb_ptr, b_ptr=b_ptr,
            pw_ptr=pw_ptr, a_ptr=a_ptr, da_ptr=da_ptr, part_ptr=part_ptr, p_ptr=p_ptr, araw_ptr=araw_ptr,
-           dar_ptr=dar_ptr, ki_ptr=ki_ptr, kg_ptr=kg_ptr, T=T, NC=NC, H=H, M=M, K=K, V=V, C=C, BM=BM, BK=BK, BV=BV, PREC=PREC,
-           MIXED=True, LOW=LOW, KEPT=KEPT)
+           dar_ptr=dar_ptr, ki_ptr=ki_ptr, kg_ptr=kg_ptr, T=T, NC=NC, H=H, M=M, K=K, V=V, C=C, BM=BM, BK=BK, BV=BV,
+           PREC=PREC, MIXED=True, LOW=LOW, KEPT=KEPT)
 
 
 @triton.jit
