@@ -128,11 +128,9 @@ def _join2(xr, xi, C: tl.constexpr, BM: tl.constexpr):
 
 
 @triton.jit
-def _pair_tile(rows, ok, om, mm, M, TRANS: tl.constexpr = False):
+def _pair_tile(rows, ok, om, mm, M):
     """Offsets and mask of a chunk's [C, BM] tile of a [B, T, H, 2, M] buffer (the real part; the imaginary part
-    is M further on); TRANS: the [BM, C] tile, indexed directly rather than transposed after loading."""
-    if TRANS:
-        return rows[None, :] * 2 * M + om[:, None], mm[:, None] & ok[None, :]
+    is M further on)."""
     return rows[:, None] * 2 * M + om[None, :], ok[:, None] & mm[None, :]
 
 
@@ -439,11 +437,14 @@ def _lag_partials(part_ptr, cr, ci, lr, li, pw, br, bi, oc, om, mm, i_bh, NC, ic
 
 
 @triton.jit
-def _load_coef(p_ptr, rows, ok, om, mm, M, TRANS: tl.constexpr):
-    """Per-token complex coefficients [B, T, H, 2, M] as a [C, BM] fp32 tile pair (TRANS: as [BM, C])."""
-    offs, mask = _pair_tile(rows, ok, om, mm, M, TRANS)
-    return (tl.load(p_ptr + offs, mask=mask, other=0.0).to(tl.float32),
-            tl.load(p_ptr + offs + M, mask=mask, other=0.0).to(tl.float32))
+def _load_coef(p_ptr, rows, ok, oc, om, mm, M):
+    """Per-token complex coefficients [B, T, H, 2, M] as [C, BM] and transposed [BM, C] fp32 tiles."""
+    p = p_ptr + rows[:, None] * 2 * M + om[None, :]
+    mk = ok[:, None] & mm[None, :]
+    pt = p_ptr + rows[None, :] * 2 * M + om[:, None]
+    mt = mm[:, None] & ok[None, :]
+    return (tl.load(p, mask=mk, other=0.0).to(tl.float32), tl.load(p + M, mask=mk, other=0.0).to(tl.float32),
+            tl.load(pt, mask=mt, other=0.0).to(tl.float32), tl.load(pt + M, mask=mt, other=0.0).to(tl.float32))
 
 
 @triton.jit
@@ -529,7 +530,7 @@ def _bwd_part_kernel(q_ptr, k_ptr, v_ptr, do_ptr, a_ptr, da_ptr, ub_ptr, gb_ptr,
     ub = ub_ptr + cs * K
     gb = gb_ptr + cs * V
     if PART == 1:
-        gr, gi = _load_coef(da_ptr, rows, ok, om, mm, M, False)
+        gr, gi, _, _ = _load_coef(da_ptr, rows, ok, oc, om, mm, M)
         # (b lam^n)^T as [BM, C]
         ptr_, pti = lam_pow(pw, oc[None, :], om[:, None], mm[:, None], M)
         ptr_, pti = cmul(br[:, None], bi[:, None], ptr_, pti)
@@ -546,13 +547,13 @@ def _bwd_part_kernel(q_ptr, k_ptr, v_ptr, do_ptr, a_ptr, da_ptr, ub_ptr, gb_ptr,
         er, ei = lam_pow(pw, tl.maximum(L - 1 - oc, 0)[:, None], om[None, :], ok[:, None] & mm[None, :], M)
         yr, yi = cmul(br[None, :], bi[None, :], er, ei)
         if PART == 2:
-            ctr, cti = _load_coef(da_ptr, rows, ok, om, mm, M, True)
+            _, _, ctr, cti = _load_coef(da_ptr, rows, ok, oc, om, mm, M)
             wt = _w_matrix_t(pr_, pi_, ctr, cti, oc, DT, PREC).to(DT)
             zsr, zsi, sur, sui = _grad_rev(out_ptr=dk_ptr, x_ptr=q_ptr, z_ptr=k_ptr, wt=wt, yr=yr.to(DT), yi=yi.to(DT),
                                            sb=rub_ptr + cs * K, ub=ub, rows=rows, ok=ok, om=om, mm=mm, M=M, D=K, C=C,
                                            BD=BK, BM=BM, PREC=PREC)
         else:
-            ctr, cti = _load_coef(a_ptr, rows, ok, om, mm, M, True)
+            _, _, ctr, cti = _load_coef(a_ptr, rows, ok, oc, om, mm, M)
             wt = _w_matrix_t(pr_, pi_, ctr, cti, oc, DT, PREC).to(DT)
             zsr, zsi, sur, sui = _grad_rev(out_ptr=dv_ptr, x_ptr=do_ptr, z_ptr=v_ptr, wt=wt, yr=yr.to(DT), yi=yi.to(DT),
                                            sb=rgb_ptr + cs * V, ub=gb, rows=rows, ok=ok, om=om, mm=mm, M=M, D=V, C=C,
