@@ -151,12 +151,10 @@ def _launches(T, M, C=64):
         out[f"bwd_{which}"] = lambda plan, which=which: ro.readout_grad(which, q, k, v, do, b, pw, C, **grads,
                                                                         plan=plan)
     _, _, _, fwd_starts, kept = interdomain_fwd(q, k, v, decay, b, chunk_size=C,
-                                                plan=dataclasses.replace(DEFAULT_PLAN, keep_states=True, keep_a=True))
-    kept_by = lambda plan: (kept[:2] if plan.keep_states else (None,) * 2) + (  # noqa: E731
-        kept[2:] if plan.keep_a else (None,) * 4)
+                                                plan=dataclasses.replace(DEFAULT_PLAN, keep_states=True))
     totals = {"fwd total": lambda plan: interdomain_fwd(q, k, v, decay, b, chunk_size=C, plan=plan),
               "bwd total": lambda plan: interdomain_bwd(q, k, v, decay, b, None, None, do, None, None, C, fwd_starts,
-                                                        plan=plan, kept=kept_by(plan))}
+                                                        plan=plan, kept=kept if plan.keep_states else (None, None))}
     starts = sc.scan(k, b, pw, decay, C)[2]
     scans = {"scan": lambda plan: sc.scan(k, b, pw, decay, C, plan=plan),
              "scan from starts": lambda plan: sc.scan(k, b, pw, decay, C, starts=starts, plan=plan),

@@ -2,7 +2,7 @@
 # The GPU checks a device session runs, each part fitting one call: every gpu-marked test (each kernel's backward
 # against the fp32 reference ON the GPU: Triton 3.6 on Hopper miscompiles some layouts silently), then the
 # Interdomain benchmark. Run from the repo root on the device machine with `.whl` carried:
-#   MEGAHYBRID_COMMIT=<hash> bash tools/gpu_check.sh [pending|keep-states|mix|keep-a|s4d|s4d-pieces|s4d-train|prefill-seg|segments-train|scope|mixers|gdn-probe|cp|kernels|stack|bench|paper|precision|recall|recall-diag|all]
+#   MEGAHYBRID_COMMIT=<hash> bash tools/gpu_check.sh [pending|keep-states|mix|s4d|s4d-pieces|s4d-train|prefill-seg|segments-train|scope|mixers|gdn-probe|cp|kernels|stack|bench|paper|precision|recall|recall-diag|all]
 # pending: the GPU tests of what changed since the last H200 run; kernels: tests/kernels (about 4 minutes); stack:
 # the other gpu tests, which train, export and decode models in subprocesses (about 5 minutes); all: both then
 # bench, more than one call's 10 minutes. The tests run in 14 processes (pytest-xdist, in the device image): one
@@ -33,9 +33,8 @@ paper_plans() {  # LIMIT_S BUDGET_S PLAN...: the paper shapes at 4K and 16K once
 
 if [ "$mode" = pending ]; then  # every GPU test passed on the H200 (669598c; fla at 513bef4; the Interdomain kernels
   # at ea500e9; session 16's at c7dda94; session 17's at 6d2c00a: gpu-tests-2026-12-02.md row 22); tests/kernels at
-  # 0056fcb on an H100 (row 30); the 1.3B full-recompute rows ran there too (bench_train-recompute-full.md). Not yet
-  # run: the model tests with InterdomainPlan.mix_in_input_dtype on by default (the I and D layers' GPU training steps
-  # and the model-level GPU checks), about 4 minutes
+  # 0056fcb on an H100 (row 30); the model tests with mix_in_input_dtype and the Interdomain kernel tests at a34a4dc
+  # on the H200 (rows 31-32). Nothing is pending: this reruns the model tests (about 4 minutes)
   run_tests model tests/test_train_gpu.py tests/test_model_gpu.py
 fi
 if [ "$mode" = s4d ]; then  # #12: the chunked S4D contraction, D's default since it ran 1.9x the FFT compiled (1440cd6,
@@ -58,13 +57,6 @@ if [ "$mode" = mix ]; then  # #12: InterdomainPlan.mix_in_input_dtype (the reado
   # products in bf16 instead of fp32 at tf32; the default since 0056fcb's H100 run: 7.04 against 7.46 ms at 12 x 64,
   # 4K): the paper shapes at 4K and 16K with it on and off; its GPU tests: test_readout_gpu_* in the kernels mode
   paper_plans 130 90 mix_in_input_dtype=true mix_in_input_dtype=false
-fi
-if [ "$mode" = keep-a ]; then  # #12: InterdomainPlan.keep_a (the forward stores a, the unmixed a and a's inter-chunk
-  # part; the backward's first kernel recomputes only Q K^T of the query side): the paper shapes at 4K and 16K with
-  # it on and off, then its GPU tests against the fp32 reference (the readout's at M = 32 and 64, bf16 and fp32,
-  # and without a readout)
-  paper_plans 120 80 keep_a=true keep_a=false
-  run_tests keep-a tests/kernels/test_interdomain_torch.py tests/kernels/test_interdomain.py -k "keep-a or keep_a"
 fi
 if [ "$mode" = s4d-pieces ]; then  # #12/#13: where a 125M `D` layer call's time goes next to `I`'s (8 x 4096 tokens,
   # compiled): input path, conv, norms, the contraction chunked and by FFT, output projection; D trains at 180.2K

@@ -16,7 +16,7 @@ from .naive import EPS, sign_nonzero
 from .readout import readout_bwd_a, readout_fwd, readout_grad
 from .scan import powers, scan, scan_layout
 from .torch_chunk import interdomain_torch
-from .utils import DEFAULT_PLAN, PLANS, InterdomainPlan, coef_dtype, readout_p, uses_torch_path
+from .utils import DEFAULT_PLAN, PLANS, InterdomainPlan, readout_p, uses_torch_path
 
 
 def interdomain_fwd(q, k, v, decay, b, u0=None, g0=None, chunk_size=64, p=None,
@@ -25,47 +25,40 @@ def interdomain_fwd(q, k, v, decay, b, u0=None, g0=None, chunk_size=64, p=None,
     P = C^T conj(C) as [H, M, M, 2] fp32, or None (identity).
 
     Returns o [B, T, H, V], the final U, G [B, H, 2, M, K/V] fp32, the U and G scans' segment start states (None
-    unsegmented; small: one state per plan.scan_segment chunks) and what else the backward takes of this pass, as
-    `kept` of interdomain_bwd: with plan.keep_states the chunk-boundary states U, G [B, H, NC, 2, M, K/V], with
-    plan.keep_a the readout coefficients (a, araw, a_inter) [B, T, H, 2, M] (araw None without a readout) and the
-    chunks' sheared Q K^T [B, H, NC, C, C], None where not kept."""
+    unsegmented; small: one state per plan.scan_segment chunks) and, with plan.keep_states, the chunk-boundary
+    states U, G [B, H, NC, 2, M, K/V] themselves (else None, None): what the backward needs of this pass."""
     C = chunk_size
     pw = powers(decay, C)
     ub, uf, su = scan(k, b, pw, decay, C, x0=u0, plan=plan)
     gb, gf, sg = scan(v, b, pw, decay, C, x0=g0, plan=plan)
     o = torch.empty_like(v)
-    keep = _kept_a(q, b, p, C, plan, empty=lambda _: None)
-    readout_fwd(q, k, v, ub, gb, b, pw, o, C, p=p, plan=plan, keep=keep if plan.keep_a else None)
-    return o, uf, gf, (su, sg), ((ub, gb) if plan.keep_states else (None, None)) + keep
+    readout_fwd(q, k, v, ub, gb, b, pw, o, C, p=p, plan=plan)
+    return o, uf, gf, (su, sg), (ub, gb) if plan.keep_states else (None, None)
 
 
 def interdomain_bwd(q, k, v, decay, b, u0, g0, do, duf, dgf, chunk_size=64, starts=(None, None), p=None,
-                    plan: InterdomainPlan = DEFAULT_PLAN, kept=(None,) * 6):
+                    plan: InterdomainPlan = DEFAULT_PLAN, kept=(None, None)):
     """Backward: dq, dk, dv, ddecay, db, du0, dg0 (du0/dg0 None when there was no initial state), dp (None without
     a readout). starts: the forward's segment start states (interdomain_fwd), so that recomputing its states takes
-    one pass over k and v; kept: the forward's chunk-boundary states U, G (plan.keep_states), which skip that
-    pass, and its readout coefficients a, araw, a_inter and sheared Q K^T (plan.keep_a), which skip the query
-    side of the first readout kernel; None where not kept."""
+    one pass over k and v; kept: the forward's chunk-boundary states (plan.keep_states), which skip that pass."""
     B, T, H, _ = q.shape
     C, M, NC = chunk_size, b.shape[1], triton.cdiv(T, chunk_size)
     pw = powers(decay, C)
-    ub, gb, a, araw, a_inter, gram = kept
+    ub, gb = kept
     if ub is None:
         ub, _, _ = scan(k, b, pw, decay, C, x0=u0, starts=starts[0], plan=plan)
         gb, _, _ = scan(v, b, pw, decay, C, x0=g0, starts=starts[1], plan=plan)
-    da = q.new_empty(B, T, H, 2, M, dtype=coef_dtype(q))
-    if a_inter is None:
-        a = torch.empty_like(da)
+    # a and da feed bf16 products and scan coefficients only, so a 16-bit copy of bf16 runs loses nothing
+    cdt = torch.bfloat16 if q.dtype == torch.bfloat16 else torch.float32
+    a = q.new_empty(B, T, H, 2, M, dtype=cdt)
+    da = q.new_empty(B, T, H, 2, M, dtype=cdt)
     part_a = q.new_empty(B, H, NC, 4, M, dtype=torch.float32)
     dp = None
     if p is None:
-        readout_bwd_a(q, k, v, do, ub, gb, b, pw, C, a=a, da=da, part=part_a, a_inter=a_inter, gram=gram,
-                      plan=plan)
+        readout_bwd_a(q, k, v, do, ub, gb, b, pw, C, a=a, da=da, part=part_a, plan=plan)
     else:
-        araw = torch.empty_like(a) if a_inter is None else araw
-        dar = torch.empty_like(a)  # bf16 runs: dP is a bf16 product (readout_p_grad)
-        readout_bwd_a(q, k, v, do, ub, gb, b, pw, C, a=a, da=da, part=part_a, p=p, araw=araw, dar=dar,
-                      a_inter=a_inter, gram=gram, plan=plan)
+        araw, dar = torch.empty_like(a), torch.empty_like(a)  # bf16 runs: dP is a bf16 product (readout_p_grad)
+        readout_bwd_a(q, k, v, do, ub, gb, b, pw, C, a=a, da=da, part=part_a, p=p, araw=araw, dar=dar, plan=plan)
         dp = readout_p_grad(araw, dar)
     rub, du0, _ = scan(q, b, pw, decay, C, c=da, x0=duf, rev=True, plan=plan)
     rgb, dg0, _ = scan(do, b, pw, decay, C, c=a, x0=dgf, rev=True, plan=plan)
@@ -109,11 +102,10 @@ def interdomain_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, decay:
                        u0: torch.Tensor | None, g0: torch.Tensor | None, p: torch.Tensor | None, chunk_size: int,
                        plan_id: int, check_values: bool = True
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-                                  torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                                  torch.Tensor]:
     """interdomain_fwd on contiguous inputs: o, the final U and G, then what the backward takes back: the scans'
-    segment start states (empty unsegmented or where the states are kept), the kept chunk-boundary states (empty
-    without plan.keep_states) and the kept readout coefficients a, araw, a_inter and sheared Q K^T (empty without
-    plan.keep_a; araw empty without a readout)."""
+    segment start states (empty unsegmented or where the states are kept) and the kept chunk-boundary states
+    (empty without plan.keep_states)."""
     if check_values:
         check_decay(decay)
     o, uf, gf, starts, kept = interdomain_fwd(q, k, v, decay, b, u0, g0, chunk_size, p, PLANS[plan_id])
@@ -137,18 +129,6 @@ def _kept(z, b, chunk_size, plan):
     return z.new_empty(B, H, triton.cdiv(T, chunk_size), 2, b.shape[1], D)
 
 
-def _kept_a(q, b, p, chunk_size, plan, empty=absent):
-    """Buffers (or fakes) for what plan.keep_a keeps: a, araw, a_inter [B, T, H, 2, M] in the coefficient dtype and
-    the chunks' sheared Q K^T [B, H, NC, C, C] in q's dtype; empty(q) where a case keeps none (araw without a
-    readout; all four without plan.keep_a)."""
-    if not plan.keep_a:
-        return tuple(empty(q) for _ in range(4))
-    B, T, H, _ = q.shape
-    coef = lambda: q.new_empty(B, T, H, 2, b.shape[1], dtype=coef_dtype(q))  # noqa: E731
-    gram = q.new_empty(B, H, triton.cdiv(T, chunk_size), chunk_size, chunk_size)
-    return coef(), coef() if p is not None else empty(q), coef(), gram
-
-
 @interdomain_fwd_op.register_fake
 def _(q, k, v, decay, b, u0, g0, p, chunk_size, plan_id, check_values=True):
     B, T, H, K = q.shape
@@ -157,25 +137,23 @@ def _(q, k, v, decay, b, u0, g0, p, chunk_size, plan_id, check_values=True):
     return (torch.empty_like(v), q.new_empty(B, H, 2, M, K, **f32), q.new_empty(B, H, 2, M, V, **f32),
             q.new_empty(_starts_shape(k, b, chunk_size, plan), **f32),
             q.new_empty(_starts_shape(v, b, chunk_size, plan), **f32), _kept(k, b, chunk_size, plan),
-            _kept(v, b, chunk_size, plan), *_kept_a(q, b, p, chunk_size, plan))
+            _kept(v, b, chunk_size, plan))
 
 
 @torch.library.custom_op("megahybrid::interdomain_bwd", mutates_args=())
 def interdomain_bwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, decay: torch.Tensor, b: torch.Tensor,
                        u0: torch.Tensor | None, g0: torch.Tensor | None, p: torch.Tensor | None, su: torch.Tensor,
-                       sg: torch.Tensor, ub: torch.Tensor, gb: torch.Tensor, ka: torch.Tensor, kraw: torch.Tensor,
-                       kinter: torch.Tensor, kgram: torch.Tensor, do: torch.Tensor,
+                       sg: torch.Tensor, ub: torch.Tensor, gb: torch.Tensor, do: torch.Tensor,
                        duf: torch.Tensor | None, dgf: torch.Tensor | None, chunk_size: int,
                        plan_id: int) -> list[torch.Tensor]:
     """interdomain_bwd: dq, dk, dv, ddecay, db, du0, dg0, dp (the last three empty where their input was None)."""
     grads = interdomain_bwd(q, k, v, decay, b, u0, g0, do, duf, dgf, chunk_size,
-                            (present(su), present(sg)), p, PLANS[plan_id],
-                            tuple(present(t) for t in (ub, gb, ka, kraw, kinter, kgram)))
+                            (present(su), present(sg)), p, PLANS[plan_id], (present(ub), present(gb)))
     return [absent(q) if g is None else g for g in grads]
 
 
 @interdomain_bwd_op.register_fake
-def _(q, k, v, decay, b, u0, g0, p, su, sg, ub, gb, ka, kraw, kinter, kgram, do, duf, dgf, chunk_size, plan_id):
+def _(q, k, v, decay, b, u0, g0, p, su, sg, ub, gb, do, duf, dgf, chunk_size, plan_id):
     like = lambda t: absent(q) if t is None else torch.empty_like(t)  # noqa: E731
     return [torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(decay),
             torch.empty_like(b), like(u0), like(g0), like(p)]
@@ -183,15 +161,15 @@ def _(q, k, v, decay, b, u0, g0, p, su, sg, ub, gb, ka, kraw, kinter, kgram, do,
 
 def _setup_context(ctx, inputs, output):
     q, k, v, decay, b, u0, g0, p, chunk_size, plan_id, *_ = inputs
-    ctx.save_for_backward(q, k, v, decay, b, u0, g0, p, *output[3:11])
+    ctx.save_for_backward(q, k, v, decay, b, u0, g0, p, *output[3:7])
     ctx.chunk_size, ctx.plan_id = chunk_size, plan_id
 
 
 def _backward(ctx, do, duf, dgf, *_unused):  # no gradient flows into the starts or the kept states
-    saved = ctx.saved_tensors
+    q, k, v, decay, b, u0, g0, p, su, sg, ub, gb = ctx.saved_tensors
     dq, dk, dv, ddecay, db, du0, dg0, dp = interdomain_bwd_op(
-        *saved, do.contiguous(), _opt(duf), _opt(dgf), ctx.chunk_size, ctx.plan_id)
-    u0, g0, p = saved[5:8]
+        q, k, v, decay, b, u0, g0, p, su, sg, ub, gb, do.contiguous(), _opt(duf), _opt(dgf), ctx.chunk_size,
+        ctx.plan_id)
     return (dq, dk, dv, ddecay, db, du0 if u0 is not None else None, dg0 if g0 is not None else None,
             dp if p is not None else None, None, None, None)
 

@@ -21,9 +21,6 @@ Names (complex values as (re, im) pairs `*r`, `*i`; j = t - chunk start, the tok
   a, da [B, T, H, 2, M]            a_t[m] = q_t . U_t[m] (times P with a readout) and its gradient d(a)_t, the dO
                                    side's readout of Gamma; gr, gi: da in registers
   araw, dar [B, T, H, 2, M]        the unmixed a and d(a P) (MIXED), for dP on the host (a's dtype)
-  ka, kr, ki [B, T, H, 2, M]       what the forward keeps for the backward (KEEP; the backward reads it: KEPT): a
-                                   (a P with a readout), the unmixed a, and a's inter-chunk part lam^(j+1) q . U_c;
-  kg [B, H, NC, C, C]              with the sheared Q K^T of each chunk (shq), in q's dtype
   p [H, M, M, 2]                   the readout P = C^T conj(C) (MIXED; ADJOINT: P^H)
   b [H, M, 2] / br, bi             input coefficient per mode
   pw / lam_pow(pw, n, ...)         one head's table lam^n, n = 0..C, [C + 1, 2, M]
@@ -40,7 +37,6 @@ Names (complex values as (re, im) pairs `*r`, `*i`; j = t - chunk start, the tok
   ic, i_bh, i_h; oc, om, mm        chunk, b * H + h, head; in-chunk token and mode offsets, the mode mask
   K, V, BK, BV, BM, C, NC, T       head dims and their tiles, mode tile, chunk size, chunks, tokens
   PART                             1: dq, 2: dk, 4: dv; PREC: tl.dot input precision; DT: the inputs' dtype
-  out, mo                          offsets and mask of a chunk's [C, BM] tile of a [B, T, H, 2, M] buffer
 """
 
 import triton
@@ -128,36 +124,6 @@ def _join2(xr, xi, C: tl.constexpr, BM: tl.constexpr):
 
 
 @triton.jit
-def _pair_tile(rows, ok, om, mm, M):
-    """Offsets and mask of a chunk's [C, BM] tile of a [B, T, H, 2, M] buffer (the real part; the imaginary part
-    is M further on)."""
-    return rows[:, None] * 2 * M + om[None, :], ok[:, None] & mm[None, :]
-
-
-@triton.jit
-def _gram_tile(kg_ptr, i_bh, NC, ic, oc, C: tl.constexpr, TRANS: tl.constexpr = False):
-    """Pointers to this chunk's [C, C] tile of a kept sheared gram (TRANS: its transpose)."""
-    base = kg_ptr + (i_bh * NC + ic) * C * C
-    if TRANS:
-        return base + oc[None, :] * C + oc[:, None]
-    return base + oc[:, None] * C + oc[None, :]
-
-
-@triton.jit
-def _keep_query_side(ki_ptr, kg_ptr, out, mo, par, pai, shq, i_bh, NC, ic, oc, M, C: tl.constexpr):
-    """What both forward kernels keep (KEEP) beside a: a's inter-chunk part and the chunk's sheared Q K^T."""
-    _store_pair(ki_ptr, out, par, pai, mo, M)
-    tl.store(_gram_tile(kg_ptr, i_bh, NC, ic, oc, C), shq)
-
-
-@triton.jit
-def _load_pair(ptr, out, mask, M):
-    """_store_pair's tile read back as fp32 (re, im)."""
-    return (tl.load(ptr + out, mask=mask, other=0.0).to(tl.float32),
-            tl.load(ptr + out + M, mask=mask, other=0.0).to(tl.float32))
-
-
-@triton.jit
 def _shear_lower(wp, oc):
     """W[t, s] = W'[t, t - s] for s <= t, 0 above the diagonal."""
     low, gidx = _lower(oc)
@@ -205,19 +171,14 @@ def _chunk_program(b_ptr, pw_ptr, T, H, M, C: tl.constexpr, BM: tl.constexpr):
 
 
 @triton.jit
-def _fwd_kernel(q_ptr, k_ptr, v_ptr, ub_ptr, gb_ptr, b_ptr, pw_ptr, o_ptr, ka_ptr, ki_ptr, kg_ptr, T, NC, H, M,
+def _fwd_kernel(q_ptr, k_ptr, v_ptr, ub_ptr, gb_ptr, b_ptr, pw_ptr, o_ptr, T, NC, H, M,
                 K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
-                BV: tl.constexpr, PREC: tl.constexpr, STACK: tl.constexpr = False, KEEP: tl.constexpr = False):
+                BV: tl.constexpr, PREC: tl.constexpr, STACK: tl.constexpr = False):
     ic, i_bh, i_h, oc, ok, rows, om, mm, pw, br, bi = _chunk_program(b_ptr, pw_ptr, T, H, M, C, BM)
     DT = q_ptr.dtype.element_ty
     ub = ub_ptr + (i_bh * NC + ic) * 2 * M * K
-    ar, ai, par, pai, shq = _readout_a(x_ptr=q_ptr, z_ptr=k_ptr, sb=ub, pw=pw, br=br[None, :], bi=bi[None, :],
-                                       rows=rows, ok=ok, oc=oc, om=om, mm=mm, M=M, D=K, C=C, BD=BK, BM=BM, PREC=PREC,
-                                       STACK=STACK)
-    if KEEP:
-        out, mo = _pair_tile(rows, ok, om, mm, M)
-        _store_pair(ka_ptr, out, ar, ai, mo, M)
-        _keep_query_side(ki_ptr, kg_ptr, out, mo, par, pai, shq, i_bh, NC, ic, oc, M, C)
+    ar, ai, _, _, _ = _readout_a(x_ptr=q_ptr, z_ptr=k_ptr, sb=ub, pw=pw, br=br[None, :], bi=bi[None, :], rows=rows,
+                                 ok=ok, oc=oc, om=om, mm=mm, M=M, D=K, C=C, BD=BK, BM=BM, PREC=PREC, STACK=STACK)
     if STACK:
         gb = gb_ptr + (i_bh * NC + ic) * 2 * M * V
         _fwd_o_stacked(v_ptr=v_ptr, o_ptr=o_ptr, gb=gb, b_ptr=b_ptr, pw=pw, ar=ar, ai=ai, rows=rows, ok=ok, oc=oc,
@@ -245,25 +206,17 @@ def _fwd_kernel(q_ptr, k_ptr, v_ptr, ub_ptr, gb_ptr, b_ptr, pw_ptr, o_ptr, ka_pt
 
 
 @triton.jit
-def _fwd_mixed_kernel(q_ptr, k_ptr, v_ptr, ub_ptr, gb_ptr, b_ptr, pw_ptr, p_ptr, o_ptr, ka_ptr, kr_ptr, ki_ptr,
-                      kg_ptr, T, NC, H, M, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BM: tl.constexpr,
-                      BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr, LOW: tl.constexpr,
-                      KEEP: tl.constexpr = False):
+def _fwd_mixed_kernel(q_ptr, k_ptr, v_ptr, ub_ptr, gb_ptr, b_ptr, pw_ptr, p_ptr, o_ptr, T, NC, H, M,
+                      K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
+                      BV: tl.constexpr, PREC: tl.constexpr, LOW: tl.constexpr):
     """_fwd_kernel with the readout P [H, M, M, 2] (re, im): o reads a P instead of a (README.md, "Full readout");
     on stacked operands at every mode tile."""
     ic, i_bh, i_h, oc, ok, rows, om, mm, pw, br, bi = _chunk_program(b_ptr, pw_ptr, T, H, M, C, BM)
     ub = ub_ptr + (i_bh * NC + ic) * 2 * M * K
-    ar, ai, par, pai, shq = _readout_a(x_ptr=q_ptr, z_ptr=k_ptr, sb=ub, pw=pw, br=br[None, :], bi=bi[None, :],
-                                       rows=rows, ok=ok, oc=oc, om=om, mm=mm, M=M, D=K, C=C, BD=BK, BM=BM, PREC=PREC,
-                                       STACK=True)
-    out, mo = _pair_tile(rows, ok, om, mm, M)
-    if KEEP:
-        _store_pair(kr_ptr, out, ar, ai, mo, M)
-        _keep_query_side(ki_ptr, kg_ptr, out, mo, par, pai, shq, i_bh, NC, ic, oc, M, C)
+    ar, ai, _, _, _ = _readout_a(x_ptr=q_ptr, z_ptr=k_ptr, sb=ub, pw=pw, br=br[None, :], bi=bi[None, :], rows=rows,
+                                 ok=ok, oc=oc, om=om, mm=mm, M=M, D=K, C=C, BD=BK, BM=BM, PREC=PREC, STACK=True)
     ar, ai = _mix_modes(xr=ar, xi=ai, p_ptr=p_ptr, i_h=i_h, om=om, mm=mm, M=M, PREC=PREC, ADJOINT=False, LOW=LOW,
                         DT=q_ptr.dtype.element_ty)
-    if KEEP:
-        _store_pair(ka_ptr, out, ar, ai, mo, M)
     gb = gb_ptr + (i_bh * NC + ic) * 2 * M * V
     _fwd_o_stacked(v_ptr=v_ptr, o_ptr=o_ptr, gb=gb, b_ptr=b_ptr, pw=pw, ar=ar, ai=ai, rows=rows, ok=ok, oc=oc, om=om,
                    mm=mm, i_h=i_h, M=M, V=V, C=C, BM=BM, BV=BV, PREC=PREC)
@@ -331,64 +284,51 @@ def _fwd_o_stacked(v_ptr, o_ptr, gb, b_ptr, pw, ar, ai, rows, ok, oc, om, mm, i_
 
 
 @triton.jit
-def _bwd_a_kernel(q_ptr, k_ptr, v_ptr, do_ptr, ub_ptr, gb_ptr, b_ptr, pw_ptr, a_ptr, da_ptr, part_ptr, ki_ptr,
-                  kg_ptr, T, NC, H, M, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BM: tl.constexpr,
-                  BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr, KEPT: tl.constexpr = False):
+def _bwd_a_kernel(q_ptr, k_ptr, v_ptr, do_ptr, ub_ptr, gb_ptr, b_ptr, pw_ptr, a_ptr, da_ptr, part_ptr, T, NC, H, M,
+                  K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
+                  BV: tl.constexpr, PREC: tl.constexpr):
     _bwd_a(q_ptr=q_ptr, k_ptr=k_ptr, v_ptr=v_ptr, do_ptr=do_ptr, ub_ptr=ub_ptr, gb_ptr=gb_ptr, b_ptr=b_ptr,
            pw_ptr=pw_ptr, a_ptr=a_ptr, da_ptr=da_ptr, part_ptr=part_ptr, p_ptr=b_ptr, araw_ptr=a_ptr, dar_ptr=da_ptr,
-           ki_ptr=ki_ptr, kg_ptr=kg_ptr, T=T, NC=NC, H=H, M=M, K=K, V=V, C=C, BM=BM, BK=BK, BV=BV, PREC=PREC,
-           MIXED=False, LOW=False, KEPT=KEPT)
+           T=T, NC=NC, H=H, M=M, K=K, V=V, C=C, BM=BM, BK=BK, BV=BV, PREC=PREC, MIXED=False, LOW=False)
 
 
 @triton.jit
 def _bwd_a_mixed_kernel(q_ptr, k_ptr, v_ptr, do_ptr, ub_ptr, gb_ptr, b_ptr, pw_ptr, a_ptr, da_ptr, part_ptr, p_ptr,
-                        araw_ptr, dar_ptr, ki_ptr, kg_ptr, T, NC, H, M, K: tl.constexpr, V: tl.constexpr,
-                        C: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
-                        LOW: tl.constexpr, KEPT: tl.constexpr = False):
-    """_bwd_a_kernel with the readout P: also stores the unmixed a and d(a P) (araw, dar) for dP on the host (KEPT:
-    the forward stored araw)."""
+                        araw_ptr, dar_ptr, T, NC, H, M, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
+                        BM: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr, LOW: tl.constexpr):
+    """_bwd_a_kernel with the readout P: also stores the unmixed a and d(a P) (araw, dar) for dP on the host."""
     _bwd_a(q_ptr=q_ptr, k_ptr=k_ptr, v_ptr=v_ptr, do_ptr=do_ptr, ub_ptr=ub_ptr, gb_ptr=gb_ptr, b_ptr=b_ptr,
            pw_ptr=pw_ptr, a_ptr=a_ptr, da_ptr=da_ptr, part_ptr=part_ptr, p_ptr=p_ptr, araw_ptr=araw_ptr,
-           dar_ptr=dar_ptr, ki_ptr=ki_ptr, kg_ptr=kg_ptr, T=T, NC=NC, H=H, M=M, K=K, V=V, C=C, BM=BM, BK=BK, BV=BV,
-           PREC=PREC, MIXED=True, LOW=LOW, KEPT=KEPT)
+           dar_ptr=dar_ptr, T=T, NC=NC, H=H, M=M, K=K, V=V, C=C, BM=BM, BK=BK, BV=BV, PREC=PREC, MIXED=True, LOW=LOW)
 
 
 @triton.jit
 def _bwd_a(q_ptr, k_ptr, v_ptr, do_ptr, ub_ptr, gb_ptr, b_ptr, pw_ptr, a_ptr, da_ptr, part_ptr, p_ptr, araw_ptr,
-           dar_ptr, ki_ptr, kg_ptr, T, NC, H, M, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BM: tl.constexpr,
-           BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr, MIXED: tl.constexpr, LOW: tl.constexpr,
-           KEPT: tl.constexpr):
+           dar_ptr, T, NC, H, M, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BM: tl.constexpr,
+           BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr, MIXED: tl.constexpr, LOW: tl.constexpr):
     """a and da per token plus the intra-chunk parameter partials. MIXED (a readout P, o = Re(a P conj Gamma)): the
     dO side's readout is d(a P); the q side takes da = d(a P) P^H and the Gamma side a P, so a_ptr gets a P and
-    da_ptr da, and the scans and gradient launches after this one run unchanged. KEPT (InterdomainPlan.keep_a):
-    the forward stored a (a P), araw, a's inter-chunk part (ki) and the sheared Q K^T (kg), so the q side is
-    read, not recomputed."""
+    da_ptr da, and the scans and gradient launches after this one run unchanged."""
     ic, i_bh, i_h, oc, ok, rows, om, mm, pw, br, bi = _chunk_program(b_ptr, pw_ptr, T, H, M, C, BM)
     DT = q_ptr.dtype.element_ty
     br = br[None, :]
     bi = bi[None, :]
     ub = ub_ptr + (i_bh * NC + ic) * 2 * M * K
     gb = gb_ptr + (i_bh * NC + ic) * 2 * M * V
-    out, mo = _pair_tile(rows, ok, om, mm, M)
-    if KEPT:
-        ar, ai = _load_pair(a_ptr, out, mo, M)
-        par, pai = _load_pair(ki_ptr, out, mo, M)
-    else:
-        ar, ai, par, pai, shq = _readout_a(x_ptr=q_ptr, z_ptr=k_ptr, sb=ub, pw=pw, br=br, bi=bi, rows=rows, ok=ok,
-                                           oc=oc, om=om, mm=mm, M=M, D=K, C=C, BD=BK, BM=BM, PREC=PREC)
+    ar, ai, par, pai, shq = _readout_a(x_ptr=q_ptr, z_ptr=k_ptr, sb=ub, pw=pw, br=br, bi=bi, rows=rows, ok=ok, oc=oc,
+                                       om=om, mm=mm, M=M, D=K, C=C, BD=BK, BM=BM, PREC=PREC)
     gr, gi, pgr, pgi, shd = _readout_a(x_ptr=do_ptr, z_ptr=v_ptr, sb=gb, pw=pw, br=br, bi=bi, rows=rows, ok=ok, oc=oc,
                                        om=om, mm=mm, M=M, D=V, C=C, BD=BV, BM=BM, PREC=PREC)
+    out = rows[:, None] * 2 * M + om[None, :]
+    mo = ok[:, None] & mm[None, :]
     if MIXED:
-        if not KEPT:
-            _store_pair(araw_ptr, out, ar, ai, mo, M)
+        _store_pair(araw_ptr, out, ar, ai, mo, M)
         _store_pair(dar_ptr, out, gr, gi, mo, M)
-        if not KEPT:
-            ar, ai = _mix_modes(xr=ar, xi=ai, p_ptr=p_ptr, i_h=i_h, om=om, mm=mm, M=M, PREC=PREC, ADJOINT=False,
-                                LOW=LOW, DT=DT)
+        ar, ai = _mix_modes(xr=ar, xi=ai, p_ptr=p_ptr, i_h=i_h, om=om, mm=mm, M=M, PREC=PREC, ADJOINT=False, LOW=LOW,
+                            DT=DT)
         gr, gi = _mix_modes(xr=gr, xi=gi, p_ptr=p_ptr, i_h=i_h, om=om, mm=mm, M=M, PREC=PREC, ADJOINT=True, LOW=LOW,
                             DT=DT)
-    if not KEPT:
-        _store_pair(a_ptr, out, ar, ai, mo, M)
+    _store_pair(a_ptr, out, ar, ai, mo, M)
     _store_pair(da_ptr, out, gr, gi, mo, M)
     # d(log lam), intra-chunk x inter-chunk: sum_t (j+1) [da conj(a_inter) + a conj(da_inter)]
     wj = (oc + 1).to(tl.float32)[:, None]
@@ -400,10 +340,7 @@ def _bwd_a(q_ptr, k_ptr, v_ptr, do_ptr, ub_ptr, gb_ptr, b_ptr, pw_ptr, a_ptr, da
     # sheared D, Dg of the readouts. Transposing them (a gather result, not a dot result: the Hopper miscompile of
     # flash-linear-attention issue 640 is tl.trans of a tl.dot) replaced a second, transposed Q K^T and dO V^T
     # product: bwd_a 2.56 against 3.66 ms on the H200 (interdomain-sweep.md), spills 310 against 488 B
-    if KEPT:
-        sh = tl.load(_gram_tile(kg_ptr, i_bh, NC, ic, oc, C, TRANS=True))
-    else:
-        sh = tl.trans(shq)
+    sh = tl.trans(shq)
     shg = tl.trans(shd)
     cr = tl.dot(sh, gr.to(DT), input_precision=PREC) + tl.dot(shg, ar.to(DT), input_precision=PREC)
     ci = tl.dot(sh, gi.to(DT), input_precision=PREC) + tl.dot(shg, ai.to(DT), input_precision=PREC)
@@ -602,31 +539,25 @@ def _grid_and_dims(q, b, C):
     return (NC, B * H), dict(T=T, NC=NC, H=H, M=b.shape[1], C=C)
 
 
-def readout_fwd(q, k, v, ub, gb, b, pw, o, C, p=None, plan: InterdomainPlan = DEFAULT_PLAN, keep=None):
-    """Writes o from the chunk-start states ub, gb (with a readout P when p is given), and with keep = (a, araw,
-    a_inter [B, T, H, 2, M], gram [B, H, NC, C, C]) also what the backward reads of this pass
-    (InterdomainPlan.keep_a; araw None without a readout); returns the launched kernel (Triton's handle: n_regs,
-    n_spills)."""
+def readout_fwd(q, k, v, ub, gb, b, pw, o, C, p=None, plan: InterdomainPlan = DEFAULT_PLAN):
+    """Writes o from the chunk-start states ub, gb (with a readout P when p is given); returns the launched kernel
+    (Triton's handle: n_regs, n_spills)."""
     grid, dims = _grid_and_dims(q, b, C)
     sizes = tiles(q, v, b, plan)
-    ka, kr, ki, kg = keep if keep is not None else (o, None, o, o)
-    args = dict(q_ptr=q, k_ptr=k, v_ptr=v, ub_ptr=ub, gb_ptr=gb, b_ptr=b, pw_ptr=pw, o_ptr=o, ka_ptr=ka, ki_ptr=ki,
-                kg_ptr=kg, **dims, **sizes, KEEP=keep is not None, num_warps=plan.warps("fwd"))
+    args = dict(q_ptr=q, k_ptr=k, v_ptr=v, ub_ptr=ub, gb_ptr=gb, b_ptr=b, pw_ptr=pw, o_ptr=o, **dims, **sizes,
+                num_warps=plan.warps("fwd"))
     if p is None:
         return _fwd_kernel[grid](**args, STACK=sizes["BM"] < plan.fwd_stack_below)
-    return _fwd_mixed_kernel[grid](**args, p_ptr=p, kr_ptr=ka if kr is None else kr, LOW=plan.mix_in_input_dtype)
+    return _fwd_mixed_kernel[grid](**args, p_ptr=p, LOW=plan.mix_in_input_dtype)
 
 
-def readout_bwd_a(q, k, v, do, ub, gb, b, pw, C, *, a, da, part, p=None, araw=None, dar=None, a_inter=None,
-                  gram=None, plan: InterdomainPlan = DEFAULT_PLAN):
+def readout_bwd_a(q, k, v, do, ub, gb, b, pw, C, *, a, da, part, p=None, araw=None, dar=None,
+                  plan: InterdomainPlan = DEFAULT_PLAN):
     """Writes a, da and the intra-chunk parameter partials (with a readout P also araw, dar); returns the launched
-    kernel. With a_inter and gram (the forward's, InterdomainPlan.keep_a) a and araw are the forward's and are
-    read, not written."""
+    kernel."""
     grid, dims = _grid_and_dims(q, b, C)
-    kept = a_inter is not None
     args = dict(q_ptr=q, k_ptr=k, v_ptr=v, do_ptr=do, ub_ptr=ub, gb_ptr=gb, b_ptr=b, pw_ptr=pw, a_ptr=a, da_ptr=da,
-                part_ptr=part, ki_ptr=a_inter if kept else a, kg_ptr=gram if kept else a, KEPT=kept, **dims,
-                **tiles(q, v, b, plan), num_warps=plan.warps("bwd_a"))
+                part_ptr=part, **dims, **tiles(q, v, b, plan), num_warps=plan.warps("bwd_a"))
     if p is None:
         return _bwd_a_kernel[grid](**args)
     return _bwd_a_mixed_kernel[grid](**args, p_ptr=p, araw_ptr=araw, dar_ptr=dar, LOW=plan.mix_in_input_dtype)

@@ -31,7 +31,7 @@ SOURCE_DIGEST = _source_digest()
 def plan_key(fields: tuple, source: str = SOURCE_DIGEST) -> int:
     """A plan's key: 60 bits (an int64 argument of the custom ops) of a digest of its fields and of the op's source.
     The source is in it because inductor's on-disk cache keys a graph on the ops it calls, not on their schemas: a
-    graph compiled against an earlier version of the op (keep_a added four outputs) was served to the new one and
+    graph compiled against an earlier version of the op (one with four more outputs) was served to the new one and
     failed with a schema error, as a resumed run would after an upgrade."""
     return int(hashlib.sha256((repr(fields) + source).encode()).hexdigest()[:15], 16)
 
@@ -97,13 +97,6 @@ class InterdomainPlan:
     against 7.46 ms at 12 x 64 and 4K, 7.42 / 7.85 at 16K, 17.7 / 18.8 and 19.2 / 20.3 at 32 x 64 (5-6 %;
     _bwd_a_mixed_kernel 2.55 against 2.99 ms, _fwd_mixed_kernel 1.21 against 1.18); the bf16 and fp32 readout tests
     on the GPU passed with it against the fp32 reference at the same tolerances (test_readout_gpu_*[kernels-lowmix]).
-
-    keep_a: the forward stores its per-token readout coefficients a (a P with a readout), the unmixed a (with a
-    readout) and a's inter-chunk part, [B, T, H, 2, M] each in the coefficient dtype (bf16 for bf16 inputs, else
-    fp32), and each chunk's sheared Q K^T [C, C] in the inputs' dtype; the backward's first kernel reads them
-    instead of recomputing its query side (Q K^T, the products against U_c and the power table, the mixing by P).
-    The cost is memory and traffic, linear in T: 6 M + C numbers per token and head (448 at M = C = 64; 4 M + C
-    without a readout). Not measured yet, so off.
     """
 
     warps_scan: int = 4
@@ -124,7 +117,6 @@ class InterdomainPlan:
     fused_readout: bool = True
     keep_states: bool = True
     mix_in_input_dtype: bool = True
-    keep_a: bool = False
 
     def __post_init__(self):
         # The custom ops take a plan as an int, its key in PLANS, read here as a plain attribute so that it also
@@ -152,12 +144,6 @@ def uses_torch_path(q, readout=None, normalize=False, plan: InterdomainPlan = DE
     if q.device.type == "cpu":
         return use_torch_path(q)
     return readout is not None and (not plan.readout_on_gpu or normalize)
-
-
-def coef_dtype(q: torch.Tensor) -> torch.dtype:
-    """The dtype of the per-token readout coefficients a, da: they feed bf16 products and scan coefficients only, so
-    a 16-bit copy of bf16 runs loses nothing."""
-    return torch.bfloat16 if q.dtype == torch.bfloat16 else torch.float32
 
 
 def readout_p(readout):

@@ -26,7 +26,6 @@ COMPILED_TOL = 1e-5  # relative RMS: the same kernels; only the torch ops around
 # the backward rescanning from the segment starts; KEPT: the default, whose backward takes the forward's states
 SEGMENTED = InterdomainPlan(scan_segment=2, scan_segment_above=2, keep_states=False)
 KEPT = InterdomainPlan(keep_states=True)
-KEEP_A = InterdomainPlan(keep_a=True)  # the forward's readout coefficients kept for the backward
 
 
 def _op_args(plan: InterdomainPlan, with_state: bool, with_readout: bool):
@@ -38,9 +37,8 @@ def _op_args(plan: InterdomainPlan, with_state: bool, with_readout: bool):
 
 
 @pytest.mark.parametrize("plan,with_state,with_readout",
-                         [(InterdomainPlan(), False, False), (SEGMENTED, True, True), (KEPT, True, False),
-                          (KEEP_A, False, True), (KEEP_A, False, False)],
-                         ids=["default", "segmented", "with-state", "keep-a-readout", "keep-a"])
+                         [(InterdomainPlan(), False, False), (SEGMENTED, True, True), (KEPT, True, False)],
+                         ids=["default", "segmented", "with-state"])
 def test_custom_op_registration(plan, with_state, with_readout):
     """torch.library.opcheck: schema, fake (meta) shapes against the real outputs, autograd registration and
     AOT dispatch, static and dynamic shapes."""
@@ -52,11 +50,6 @@ def test_custom_op_registration(plan, with_state, with_readout):
         assert outs[5].shape == (1, 2, 7, 2, 8, 16) and outs[6].shape == (1, 2, 7, 2, 8, 24)
     else:
         assert outs[5].numel() == 0 and outs[6].numel() == 0
-    if plan.keep_a:  # a, the unmixed a (with a readout only), a's inter-chunk part, the sheared Q K^T per chunk
-        assert outs[7].shape == outs[9].shape == (1, 100, 2, 2, 8) and outs[10].shape == (1, 2, 7, 16, 16)
-        assert outs[8].shape == ((1, 100, 2, 2, 8) if with_readout else (0,))
-    else:
-        assert all(t.numel() == 0 for t in outs[7:11])
     torch.library.opcheck(interdomain_fwd_op, args)
 
 
@@ -76,7 +69,7 @@ def _compiled_matches_eager(fn, leaves, tol=COMPILED_TOL):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("plan", [None, SEGMENTED, KEEP_A], ids=["default-kept", "segmented-rescan", "keep-a"])
+@pytest.mark.parametrize("plan", [None, SEGMENTED], ids=["default-kept", "segmented-rescan"])
 def test_compiled_caller_keeps_the_op_in_one_graph(plan, device):
     """fullgraph=True fails on any graph break; outputs, final state and every gradient (C's too) equal eager's."""
     q, k, v, decay, b, u0, g0 = make_inputs(2, 63, 2, 16, 24, 8, device=device)

@@ -159,12 +159,11 @@ def test_segmented_scans_match_naive(nan_empty, segmented, T, C, init, normalize
     compare(inputs, FP32_TOL, chunk_size=C, normalize=normalize, plan=segmented)
 
 
-@pytest.fixture(params=["plain", "stacked", "plain-keep-a", "stacked-keep-a"])
+@pytest.fixture(params=["plain", "stacked"])
 def fwd_form(request):
     """A plan with the forward kernel in one form at every mode tile (plan.fwd_stack_below otherwise picks by
-    tile width), its readout coefficients kept for the backward or recomputed there (plan.keep_a)."""
-    return InterdomainPlan(fwd_stack_below=1 << 20 if request.param.startswith("stacked") else 0,
-                           keep_a=request.param.endswith("keep-a"))
+    tile width)."""
+    return InterdomainPlan(fwd_stack_below=1 << 20 if request.param == "stacked" else 0)
 
 
 @pytest.mark.parametrize("T,M,normalize", [(100, 8, True), (300, 32, False), (64, 24, False), (70, 64, False)])
@@ -258,16 +257,6 @@ def test_stacked_forward_at_64_modes_gpu_bf16(nan_empty):
     """The stacked forward at a 64-mode tile (by default it runs at 32 and the plain one at 64: fwd_stack_below)."""
     compare(make_inputs(2, 1000, 3, 128, 128, 64, dtype=torch.bfloat16), BF16_TOL, BF16_GRAD_TOL,
             plan=InterdomainPlan(fwd_stack_below=128))
-
-
-@pytest.mark.gpu
-@requires_gpu
-@pytest.mark.parametrize("T,M,K", [(1000, 64, 64), (300, 32, 128)])
-def test_keep_a_gpu_bf16(nan_empty, T, M, K):
-    """plan.keep_a without a readout (the readout's cases are test_readout_gpu_*[kernels-keep-a]): the backward
-    reads the forward's a and its inter-chunk part."""
-    compare(make_inputs(2, T, 3, K, K, M, dtype=torch.bfloat16), BF16_TOL, BF16_GRAD_TOL,
-            plan=InterdomainPlan(keep_a=True))
 
 
 @pytest.mark.gpu

@@ -114,15 +114,6 @@ def test_readout_kernels_mixing_in_fp32(nan_empty):
     compare_readout(inputs, make_readout(2, 32), FP32_TOL, plan=interdomain.InterdomainPlan(mix_in_input_dtype=False))
 
 
-@pytest.mark.parametrize("T,M,C,normalize", [(100, 32, 64, False), (63, 8, 32, True), (130, 64, 64, False)])
-def test_readout_kernels_keeping_a(nan_empty, T, M, C, normalize):
-    """InterdomainPlan(keep_a=True): the forward stores a, the unmixed a and a's inter-chunk part, and the
-    backward's first kernel reads them (recomputing only Q K^T): output, final state and every gradient incl. dC."""
-    inputs = make_inputs(1, T, 2, 16, 24, M, normalize=normalize, device="cpu")
-    compare_readout(inputs, make_readout(2, M, normalize), FP32_TOL, normalize=normalize, chunk_size=C,
-                    plan=interdomain.InterdomainPlan(keep_a=True))
-
-
 def test_dispatch(monkeypatch):
     q, c = torch.zeros(1, 1, 1, 1), torch.zeros(1)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
@@ -244,14 +235,13 @@ def interdomain_torch_fp32(torch_chunk, q, k, v, decay, b, initial_state, output
         torch.backends.cuda.matmul.allow_tf32 = prev
 
 
-@pytest.fixture(params=["torch", "kernels", "kernels-lowmix", "kernels-keep-a"])
+@pytest.fixture(params=["torch", "kernels", "kernels-lowmix"])
 def gpu_readout(request):
     """A plan sending a readout on the GPU through the torch path or the chunk kernels (plan.readout_on_gpu, on
     by default), the latter with the mode mixing in fp32 and in the inputs' dtype (plan.mix_in_input_dtype, the
-    default), and with the forward's readout coefficients kept for the backward (plan.keep_a)."""
+    default)."""
     return interdomain.InterdomainPlan(readout_on_gpu=request.param != "torch",
-                                       mix_in_input_dtype=request.param != "kernels",
-                                       keep_a=request.param == "kernels-keep-a")
+                                       mix_in_input_dtype=request.param == "kernels-lowmix")
 
 
 @pytest.mark.gpu
