@@ -1,0 +1,183 @@
+"""Compile the Interdomain family's Triton kernels for Hopper (sm_90) on a machine without a GPU.
+
+The Triton interpreter, which runs the kernels' CPU tests, accepts code the GPU compiler refuses: on 2026-12-06 a
+helper returning [BM, C] and [C, BM] tiles from one constexpr branch passed every interpreter test and then failed
+every GPU test with `Inconsistent return types` where BM != C (tools/results/gpu-tests-2026-12-02.md, row 31).
+This check runs the ops' host functions on CPU tensors with Triton's active driver replaced by a stand-in that
+names an sm_90 target, and turns each launch into a compile (Triton's warmup: front end, PTX and ptxas to a
+cubin): compile errors show here, before a device call. It does not run the kernels, so it checks no numbers and
+no resource limit that only loading on a device reports (shared memory); the GPU tests do that.
+
+Covered: the chunked Interdomain op (forward and backward, with and without the full readout), its fused
+recurrent forward, the chunked S4D carry (forward and reverse walk) and I's fused input path, at the presets'
+head shapes and odd ones, bf16 and fp32, with the GPU's tile choices. The NAtS ops are not: their host code picks
+tiles by device type and the GDN kernels autotune, so on CPU tensors they would compile other configurations than
+the GPU runs.
+
+    python tools/check_hopper_compile.py            # a table of cases and kernels; exit 1 naming each failure
+    python tools/check_hopper_compile.py --quick    # what the test suite runs (tests/kernels/test_hopper_compile)
+"""
+import argparse
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+
+if os.environ.get("TRITON_INTERPRET", "0") == "1":  # triton.jit reads it at decoration: interpreted kernels
+    sys.exit("unset TRITON_INTERPRET: this check compiles the kernels, which the interpreter does not")
+
+import torch  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.runtime.driver import driver  # noqa: E402
+from triton.runtime.jit import JITFunction  # noqa: E402
+
+from megahybrid_kernels.interdomain.chunk import interdomain_bwd, interdomain_fwd  # noqa: E402
+from megahybrid_kernels.interdomain.recurrent import interdomain_recurrent_fwd  # noqa: E402
+from megahybrid_kernels.interdomain.s4d_chunk import _carry_triton  # noqa: E402
+from megahybrid_kernels.interdomain_input.fused import interdomain_input_bwd, interdomain_input_fwd  # noqa: E402
+
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+class CompileOnlyDriver:
+    """What JITFunction.run asks of the active driver before it compiles: the target, a device and a stream."""
+
+    def __init__(self, arch: int):
+        self.target = GPUTarget("cuda", arch, 32)
+
+    def get_current_target(self):
+        return self.target
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+
+@dataclass
+class Recorder:
+    """Every launch becomes a warmup (compile, no run); records the kernels compiled and that each has a cubin."""
+    compiled: list = field(default_factory=list)
+
+    def install(self, arch: int) -> None:
+        driver.set_active(CompileOnlyDriver(arch))
+        launch = JITFunction.run
+
+        def compile_only(fn, *args, grid, warmup, **kwargs):
+            kernel = launch(fn, *args, grid=grid, warmup=True, **kwargs)
+            if "cubin" not in kernel.asm:
+                raise RuntimeError(f"{fn.fn.__name__}: compiled without a cubin ({sorted(kernel.asm)})")
+            self.compiled.append(f"{fn.fn.__module__.rsplit('.', 1)[-1]}.{fn.fn.__name__}")
+            return kernel
+
+        JITFunction.run = compile_only
+
+
+def _decay(H, M):
+    return torch.stack((-torch.rand(H, M) * 0.1, torch.randn(H, M)), -1)
+
+
+def interdomain_case(dtype, T, H, K, V, M, readout):
+    """The chunked op's forward then backward (the default plan), the readout P [H, M, M, 2] or the identity."""
+    q, k = (torch.randn(1, T, H, K, dtype=dtype) for _ in range(2))
+    v, do = torch.randn(1, T, H, V, dtype=dtype), torch.randn(1, T, H, V, dtype=dtype)
+    decay, b = _decay(H, M), torch.randn(H, M, 2)
+    p = torch.randn(H, M, M, 2) if readout else None
+    o, uf, gf, starts, kept = interdomain_fwd(q, k, v, decay, b, p=p)
+    interdomain_bwd(q, k, v, decay, b, None, None, do, uf, gf, starts=starts, p=p, kept=kept)
+
+
+def recurrent_case(dtype, T, H, K, V, M, readout):
+    """The fused recurrent forward (decode and prefill), normalized and not."""
+    q, k, v = torch.randn(1, T, H, K, dtype=dtype), torch.randn(1, T, H, K, dtype=dtype), torch.randn(1, T, H, V,
+                                                                                                        dtype=dtype)
+    readout_c = torch.randn(H, M, M, 2) if readout else None
+    for normalize in (False, True):
+        interdomain_recurrent_fwd(q, k, v, _decay(H, M), torch.randn(H, M, 2), None, normalize,
+                                  readout=None if normalize else readout_c)
+
+
+def carry_case(dtype, T, H, K, V, M, readout):
+    """The chunked S4D contraction's carry: the forward walk and the reverse walk of its backward (chunks of 64)."""
+    L, N = 64, -(-T // 64)
+    u = torch.randn(H, 2, M, 1, N, V, dtype=dtype)
+    x0 = torch.randn(1, H, 2, M, V)
+    _carry_triton(u, None, x0, _decay(H, M), L, T - (N - 1) * L, False)
+    _carry_triton(u, torch.randn_like(u), x0, _decay(H, M), L, T - (N - 1) * L, True)
+
+
+def input_case(dtype, T, H, K, V, M, readout):
+    """I's fused input path (conv 4, RoPE, feature map, head norms), forward and backward, with a decode tail."""
+    R, KC = K, 4
+    x, w = torch.randn(1, T, H, 2 * R + V, dtype=dtype), torch.randn(H, 2 * R, KC, dtype=dtype)
+    wk, bk, wv, bv = torch.ones(R), torch.zeros(H, R), torch.ones(V), torch.zeros(H, V)
+    for tail in (None, torch.randn(1, KC - 1, H * 2 * R, dtype=dtype)):
+        interdomain_input_fwd(x, w, tail, wk, bk, wv, bv, 0, True, 10000.0, 1e-6)
+        grads = (torch.randn(1, T, H, R, dtype=dtype), torch.randn(1, T, H, R, dtype=dtype),
+                 torch.randn(1, T, H, V, dtype=dtype))
+        interdomain_input_bwd(x, w, tail, wk, bk, wv, bv, *grads, 0, True, 10000.0, 1e-6)
+
+
+OPS = {"interdomain": interdomain_case, "recurrent": recurrent_case, "s4d-carry": carry_case,
+       "interdomain-input": input_case}
+# (K, V, M): the presets' 64 x 64 heads with M = 64 (the paper's) and 32, then odd ones the tests also take.
+# --quick (the test suite's run) keeps bf16's four and fp32's first two: about half the compile time
+SHAPES = [(64, 64, 64), (64, 64, 32), (128, 128, 32), (32, 64, 8)]
+
+
+def cases(quick: bool):
+    for op in OPS:
+        for dt in DTYPES:
+            for K, V, M in SHAPES[:2] if quick and dt == "fp32" else SHAPES:
+                for readout in ((False, True) if op in ("interdomain", "recurrent") else (False,)):
+                    yield op, dt, K, V, M, readout
+
+
+def _one_line(e: BaseException) -> str:
+    """A compile error as one line: the innermost cause (CompilationErrors chain one per inlined helper) and the
+    kernel line where the outermost one points."""
+    inner = e
+    while inner.__cause__ is not None:
+        inner = inner.__cause__
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip() and ln.strip() != "^"]
+    where = f" at `{lines[-1]}`" if len(lines) > 1 else ""
+    last = ([ln.strip() for ln in str(inner).splitlines() if ln.strip()] or [""])[-1]
+    return f"{type(inner).__name__}{where}: {last[:300]}"
+
+
+def run(arch: int, T: int, only: str | None, quick: bool) -> int:
+    rec = Recorder()
+    rec.install(arch)
+    torch.manual_seed(0)
+    failures, rows = [], []
+    for op, dt, K, V, M, readout in cases(quick):
+        if only and only not in op:
+            continue
+        name = f"{op} {dt} K={K} V={V} M={M}{' readout' if readout else ''}"
+        start, t0 = len(rec.compiled), time.time()
+        try:
+            OPS[op](DTYPES[dt], T, 2, K, V, M, readout)
+        except Exception as e:  # noqa: BLE001  (one line per failing case, then the others still run)
+            failures.append(f"{name}: {_one_line(e)}")
+        kernels = sorted(set(rec.compiled[start:]))
+        rows.append(f"{name:<48} {time.time() - t0:6.1f} s  {', '.join(kernels) or '-'}")
+    print(f"sm_{arch}, T = {T}: {len(rows)} cases, {len(set(rec.compiled))} kernels")
+    print("\n".join(rows))
+    for f in failures:
+        print(f"FAILED {f}")
+    return 1 if failures or not rows else 0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--arch", type=int, default=90, help="compute capability to compile for (90: H100/H200)")
+    ap.add_argument("--tokens", type=int, default=300, help="T of every case (not a multiple of the chunk)")
+    ap.add_argument("--only", help="run the cases whose op name contains this")
+    ap.add_argument("--quick", action="store_true", help="fp32 at the presets' two shapes only")
+    args = ap.parse_args(argv)
+    return run(args.arch, args.tokens, args.only, args.quick)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
