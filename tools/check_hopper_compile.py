@@ -1,4 +1,4 @@
-"""Compile the Interdomain family's Triton kernels for Hopper (sm_90) on a machine without a GPU.
+"""Compile every op's Triton kernels for Hopper (sm_90) on a machine without a GPU.
 
 The Triton interpreter, which runs the kernels' CPU tests, accepts code the GPU compiler refuses: on 2026-12-06 a
 helper returning [BM, C] and [C, BM] tiles from one constexpr branch passed every interpreter test and then failed
@@ -9,10 +9,11 @@ cubin): compile errors show here, before a device call. It does not run the kern
 no resource limit that only loading on a device reports (shared memory); the GPU tests do that.
 
 Covered: the chunked Interdomain op (forward and backward, with and without the full readout), its fused
-recurrent forward, the chunked S4D carry (forward and reverse walk) and I's fused input path, at the presets'
-head shapes and odd ones, bf16 and fp32, with the GPU's tile choices. The NAtS ops are not: their host code picks
-tiles by device type and the GDN kernels autotune, so on CPU tensors they would compile other configurations than
-the GPU runs.
+recurrent forward, the chunked S4D carry (forward and reverse walk), I's fused input path, and NAtS-L's selected
+attention and selected Gated DeltaNet (forward and backward; every autotuning config of the GDN kernels), at the
+presets' head shapes and odd ones, bf16 and fp32, with the GPU's tile choices (the NAtS host helpers that choose
+by device type are rebound to the GPU's choices). The whole set takes about 13 minutes on 2 cores with a cold
+Triton cache, --quick about 4.
 
     python tools/check_hopper_compile.py            # a table of cases and kernels; exit 1 naming each failure
     python tools/check_hopper_compile.py --quick    # what the test suite runs (tests/kernels/test_hopper_compile)
@@ -119,17 +120,76 @@ def input_case(dtype, T, H, K, V, M, readout):
         interdomain_input_bwd(x, w, tail, wk, bk, wv, bv, *grads, 0, True, 10000.0, 1e-6)
 
 
+def gpu_choices() -> None:
+    """The NAtS host functions choose tiles and launch settings by device type (and the GDN V tile by SM count): on
+    CPU tensors they would pick the interpreter's. Their helpers are rebound to the GPU's choices (an H100's 132
+    SMs), and each autotuned GDN kernel compiles every config it would time."""
+    import triton.runtime.autotuner as autotuner
+
+    from megahybrid_kernels.nats.attention import chunk as attention
+    from megahybrid_kernels.nats.gdn import chunk as gdn, wy
+
+    cuda = torch.device("cuda")
+    torch.cuda.get_device_properties = lambda device=None: type("Props", (), {"multi_processor_count": 132})
+    for module in (attention, gdn, wy):
+        for name in ("_head_dims", "_bv", "_state_bk", "_chunk_bk"):
+            if hasattr(module, name):
+                setattr(module, name, lambda *a, _f=getattr(module, name): _f(*a[:-1], cuda))
+    attention._config = lambda q, kernel: dict(attention.GPU_CONFIG[kernel])
+
+    def compile_every_config(tuner, *args, **kwargs):
+        for config in tuner.configs:
+            kernel = tuner.fn.run(*args, **{**kwargs, **config.all_kwargs()})
+        return kernel
+
+    autotuner.Autotuner.run = compile_every_config
+
+
+def attention_case(dtype, T, H, K, V, M, readout):
+    """The selected attention's forward and backward (half the chunks kept), q/k head dim K, v head dim V."""
+    from megahybrid_kernels.nats.attention.chunk import chunk_selected_attention_bwd, chunk_selected_attention_fwd
+
+    q, k, v = (torch.randn(1, T, H, d, dtype=dtype) for d in (K, K, V))
+    keep = (torch.rand(1, H, -(-T // 64)) < 0.5).float()
+    o, lse = chunk_selected_attention_fwd(q, k, v, keep, K ** -0.5, 64)
+    chunk_selected_attention_bwd(q, k, v, o, lse, torch.randn_like(o), keep, K ** -0.5, 64)
+
+
+def gdn_case(dtype, T, H, K, V, M, readout):
+    """The selected Gated DeltaNet's forward and backward, several chunks and one (a kernel of its own)."""
+    from megahybrid_kernels.nats.gdn.chunk import chunk_selected_gdn_bwd, chunk_selected_gdn_fwd
+
+    for t in (T, 40):
+        q, k, v = (torch.randn(1, t, H, d, dtype=dtype) for d in (K, K, V))
+        g, beta = -torch.rand(1, t, H), torch.rand(1, t, H, dtype=dtype)
+        keep = (torch.rand(1, H, -(-t // 64)) < 0.5).float()
+        o, ht, G, Ai = chunk_selected_gdn_fwd(q, k, v, g, beta, keep, K ** -0.5, None, True, False)
+        chunk_selected_gdn_bwd(q, k, v, beta, keep, G, Ai, K ** -0.5, None, torch.randn_like(o), None, False, False)
+
+
 OPS = {"interdomain": interdomain_case, "recurrent": recurrent_case, "s4d-carry": carry_case,
-       "interdomain-input": input_case}
-# (K, V, M): the presets' 64 x 64 heads with M = 64 (the paper's) and 32, then odd ones the tests also take.
-# --quick (the test suite's run) keeps bf16's four and fp32's first two: about half the compile time
+       "interdomain-input": input_case, "nats-attention": attention_case, "nats-gdn": gdn_case}
+# (K, V, M): the presets' 64 x 64 heads with M = 64 (the paper's) and 32, then odd ones the tests also take
 SHAPES = [(64, 64, 64), (64, 64, 32), (128, 128, 32), (32, 64, 8)]
+# NAtS-L (K, V): natsl-340m's GDN heads (128 | 256) and attention heads (64 | 128), the 760M's 192 | 384 GDN head
+# and the K = 64 GDN head that once faulted on the H200 (M unused)
+NATS_SHAPES = [(128, 256, 0), (64, 128, 0), (192, 384, 0), (32, 64, 0)]
+
+
+def _shapes(op, dt, quick):
+    """--quick: the NAtS ops in bf16 at natsl-340m's shapes only (their fp32 builds take minutes: 138 s for the
+    192 | 384 attention), the others' fp32 at the presets' two shapes."""
+    if not op.startswith("nats"):
+        return SHAPES[:2] if quick and dt == "fp32" else SHAPES
+    if quick:
+        return NATS_SHAPES[:2] if dt == "bf16" else []
+    return NATS_SHAPES
 
 
 def cases(quick: bool):
     for op in OPS:
         for dt in DTYPES:
-            for K, V, M in SHAPES[:2] if quick and dt == "fp32" else SHAPES:
+            for K, V, M in _shapes(op, dt, quick):
                 for readout in ((False, True) if op in ("interdomain", "recurrent") else (False,)):
                     yield op, dt, K, V, M, readout
 
@@ -149,6 +209,7 @@ def _one_line(e: BaseException) -> str:
 def run(arch: int, T: int, only: str | None, quick: bool) -> int:
     rec = Recorder()
     rec.install(arch)
+    gpu_choices()
     torch.manual_seed(0)
     failures, rows = [], []
     for op, dt, K, V, M, readout in cases(quick):
