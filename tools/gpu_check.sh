@@ -7,6 +7,8 @@
 # the other gpu tests, which train, export and decode models in subprocesses (about 5 minutes); all: both then
 # bench, more than one call's 10 minutes. The tests run in 14 processes (pytest-xdist, in the device image): one
 # after the other they take far longer than a call. Logs go to $OUT.
+# Before a call, on this machine (no GPU needed): python tools/check_hopper_compile.py, which compiles every kernel
+# for sm_90 and names the compile errors the interpreter's tests cannot see.
 . tools/gpu_env.sh || exit 1
 mode=${1:-kernels}
 set -o pipefail
