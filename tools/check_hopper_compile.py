@@ -29,6 +29,7 @@ if os.environ.get("TRITON_INTERPRET", "0") == "1":  # triton.jit reads it at dec
 
 import torch  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.runtime.autotuner import Autotuner  # noqa: E402
 from triton.runtime.driver import driver  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
@@ -36,6 +37,8 @@ from megahybrid_kernels.interdomain.chunk import interdomain_bwd, interdomain_fw
 from megahybrid_kernels.interdomain.recurrent import interdomain_recurrent_fwd  # noqa: E402
 from megahybrid_kernels.interdomain.s4d_chunk import _carry_triton  # noqa: E402
 from megahybrid_kernels.interdomain_input.fused import interdomain_input_bwd, interdomain_input_fwd  # noqa: E402
+from megahybrid_kernels.nats.attention import chunk as attention  # noqa: E402
+from megahybrid_kernels.nats.gdn import chunk as gdn, wy  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -81,8 +84,7 @@ def _decay(H, M):
 
 def interdomain_case(dtype, T, H, K, V, M, readout):
     """The chunked op's forward then backward (the default plan), the readout P [H, M, M, 2] or the identity."""
-    q, k = (torch.randn(1, T, H, K, dtype=dtype) for _ in range(2))
-    v, do = torch.randn(1, T, H, V, dtype=dtype), torch.randn(1, T, H, V, dtype=dtype)
+    q, k, v, do = (torch.randn(1, T, H, d, dtype=dtype) for d in (K, K, V, V))
     decay, b = _decay(H, M), torch.randn(H, M, 2)
     p = torch.randn(H, M, M, 2) if readout else None
     o, uf, gf, starts, kept = interdomain_fwd(q, k, v, decay, b, p=p)
@@ -91,8 +93,7 @@ def interdomain_case(dtype, T, H, K, V, M, readout):
 
 def recurrent_case(dtype, T, H, K, V, M, readout):
     """The fused recurrent forward (decode and prefill), normalized and not."""
-    q, k, v = torch.randn(1, T, H, K, dtype=dtype), torch.randn(1, T, H, K, dtype=dtype), torch.randn(1, T, H, V,
-                                                                                                        dtype=dtype)
+    q, k, v = (torch.randn(1, T, H, d, dtype=dtype) for d in (K, K, V))
     readout_c = torch.randn(H, M, M, 2) if readout else None
     for normalize in (False, True):
         interdomain_recurrent_fwd(q, k, v, _decay(H, M), torch.randn(H, M, 2), None, normalize,
@@ -115,8 +116,7 @@ def input_case(dtype, T, H, K, V, M, readout):
     wk, bk, wv, bv = torch.ones(R), torch.zeros(H, R), torch.ones(V), torch.zeros(H, V)
     for tail in (None, torch.randn(1, KC - 1, H * 2 * R, dtype=dtype)):
         interdomain_input_fwd(x, w, tail, wk, bk, wv, bv, 0, True, 10000.0, 1e-6)
-        grads = (torch.randn(1, T, H, R, dtype=dtype), torch.randn(1, T, H, R, dtype=dtype),
-                 torch.randn(1, T, H, V, dtype=dtype))
+        grads = (torch.randn(1, T, H, d, dtype=dtype) for d in (R, R, V))
         interdomain_input_bwd(x, w, tail, wk, bk, wv, bv, *grads, 0, True, 10000.0, 1e-6)
 
 
@@ -124,11 +124,6 @@ def gpu_choices() -> None:
     """The NAtS host functions choose tiles and launch settings by device type (and the GDN V tile by SM count): on
     CPU tensors they would pick the interpreter's. Their helpers are rebound to the GPU's choices (an H100's 132
     SMs), and each autotuned GDN kernel compiles every config it would time."""
-    import triton.runtime.autotuner as autotuner
-
-    from megahybrid_kernels.nats.attention import chunk as attention
-    from megahybrid_kernels.nats.gdn import chunk as gdn, wy
-
     cuda = torch.device("cuda")
     torch.cuda.get_device_properties = lambda device=None: type("Props", (), {"multi_processor_count": 132})
     for module in (attention, gdn, wy):
@@ -142,29 +137,26 @@ def gpu_choices() -> None:
             kernel = tuner.fn.run(*args, **{**kwargs, **config.all_kwargs()})
         return kernel
 
-    autotuner.Autotuner.run = compile_every_config
+    Autotuner.run = compile_every_config
 
 
 def attention_case(dtype, T, H, K, V, M, readout):
     """The selected attention's forward and backward (half the chunks kept), q/k head dim K, v head dim V."""
-    from megahybrid_kernels.nats.attention.chunk import chunk_selected_attention_bwd, chunk_selected_attention_fwd
-
     q, k, v = (torch.randn(1, T, H, d, dtype=dtype) for d in (K, K, V))
     keep = (torch.rand(1, H, -(-T // 64)) < 0.5).float()
-    o, lse = chunk_selected_attention_fwd(q, k, v, keep, K ** -0.5, 64)
-    chunk_selected_attention_bwd(q, k, v, o, lse, torch.randn_like(o), keep, K ** -0.5, 64)
+    o, lse = attention.chunk_selected_attention_fwd(q, k, v, keep, K ** -0.5, 64)
+    attention.chunk_selected_attention_bwd(q, k, v, o, lse, torch.randn_like(o), keep, K ** -0.5, 64)
 
 
 def gdn_case(dtype, T, H, K, V, M, readout):
     """The selected Gated DeltaNet's forward and backward, several chunks and one (a kernel of its own)."""
-    from megahybrid_kernels.nats.gdn.chunk import chunk_selected_gdn_bwd, chunk_selected_gdn_fwd
-
     for t in (T, 40):
         q, k, v = (torch.randn(1, t, H, d, dtype=dtype) for d in (K, K, V))
         g, beta = -torch.rand(1, t, H), torch.rand(1, t, H, dtype=dtype)
         keep = (torch.rand(1, H, -(-t // 64)) < 0.5).float()
-        o, ht, G, Ai = chunk_selected_gdn_fwd(q, k, v, g, beta, keep, K ** -0.5, None, True, False)
-        chunk_selected_gdn_bwd(q, k, v, beta, keep, G, Ai, K ** -0.5, None, torch.randn_like(o), None, False, False)
+        o, ht, G, Ai = gdn.chunk_selected_gdn_fwd(q, k, v, g, beta, keep, K ** -0.5, None, True, False)
+        gdn.chunk_selected_gdn_bwd(q, k, v, beta, keep, G, Ai, K ** -0.5, None, torch.randn_like(o), None, False,
+                                   False)
 
 
 OPS = {"interdomain": interdomain_case, "recurrent": recurrent_case, "s4d-carry": carry_case,
@@ -235,7 +227,8 @@ def main(argv=None) -> int:
     ap.add_argument("--arch", type=int, default=90, help="compute capability to compile for (90: H100/H200)")
     ap.add_argument("--tokens", type=int, default=300, help="T of every case (not a multiple of the chunk)")
     ap.add_argument("--only", help="run the cases whose op name contains this")
-    ap.add_argument("--quick", action="store_true", help="fp32 at the presets' two shapes only")
+    ap.add_argument("--quick", action="store_true",
+                    help="the test suite's set: fp32 at the presets' two shapes, the NAtS ops in bf16 at natsl-340m's")
     args = ap.parse_args(argv)
     return run(args.arch, args.tokens, args.only, args.quick)
 

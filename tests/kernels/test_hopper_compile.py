@@ -30,9 +30,11 @@ def _kernel(x_ptr, BM: tl.constexpr, C: tl.constexpr):
 '''
 
 
-def _run(*args, cwd=ROOT):
+def _run(*args, interpret=False):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    return subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=1500)
+    if interpret:
+        env["TRITON_INTERPRET"] = "1"
+    return subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=1500)
 
 
 @pytest.mark.timeout(1600)
@@ -62,6 +64,5 @@ def test_a_compile_error_is_reported_as_a_failed_case(tmp_path):
 
 
 def test_refuses_the_interpreter():
-    r = subprocess.run([sys.executable, str(TOOL)], cwd=ROOT, env={**os.environ, "TRITON_INTERPRET": "1"},
-                       capture_output=True, text=True, timeout=300)
+    r = _run(str(TOOL), interpret=True)
     assert r.returncode == 1 and "unset TRITON_INTERPRET" in r.stderr, r.stderr
