@@ -46,7 +46,7 @@ RECOMPUTE = {
     "full": {"recompute": "full"},
 }
 COLUMNS = ["system", "preset", "recompute", "micro", "gas", "seq", "compile", "tok/s", "TFLOP/s", "MFU_989",
-           "MFU_meas", "peak_GiB", "step_s", "warmup_s", "status", "commit"]  # commit: where the row was measured
+           "MFU_meas", "peak_GiB", "step_s", "warmup_s", "status", "commit", "gpu"]  # where the row was measured
 DEFAULT_ROWS = ["125m:none:8", "350m:none:8", "1.3b:none:4", "1.3b:selective_mlp:4", "1.3b:full:4"]
 # --suite mixers: every mixer in its issue's preset shape, at 4K and 16K (issue #20), 16 x 4096 tokens per step
 MIXER_SUITE = [f"{model}:none:{micro}:{seq}" for seq, scale in ((4096, 1), (16384, 4))
@@ -265,10 +265,10 @@ def main(argv=None) -> int:
 
         print_row(run_child(json.loads(args.child), args))
         return 0
-    from benchutil import format_table, save_results
+    from benchutil import format_table, gpu_model, gpu_name, save_results
     from megahybrid.outputs import git_commit
 
-    here = git_commit()
+    here, card = git_commit(), gpu_model(gpu_name())
     deadline = time.monotonic() + args.budget_s
     specs = MIXER_SUITE if args.suite == "mixers" else args.rows
     earlier = _finished_rows(args.continue_from)
@@ -280,11 +280,15 @@ def main(argv=None) -> int:
         left = deadline - time.monotonic()
         timeout = min(left, args.row_timeout_s)
         result = run_row(row, _shared_argv(args), timeout) if left > 10 else {**row, "status": "skipped: budget"}
-        result["commit"] = here
+        result["commit"], result["gpu"] = here, card
         done.append({column: result.get(column, "") for column in COLUMNS})
         print(format_table([done[-1]]), flush=True)
         save_results(args.name, done, _meta(None), args.results_dir)
-    path = save_results(args.name, done, _meta(_add_measured_mfu(done)), args.results_dir)
+    fresh = [r for r in done if _row_key(r) not in earlier]  # kept rows keep the MFU of their own call's peak
+    peak = _add_measured_mfu(fresh)
+    if peak is not None and len(fresh) < len(done):
+        peak = f"{peak} (this call's; kept rows' MFU_meas use their own call's peak)"
+    path = save_results(args.name, done, _meta(peak), args.results_dir)
     print(format_table(done))
     print(f"written {path}")
     return 0 if all(r["status"] == "ok" for r in done) else 1
@@ -296,16 +300,20 @@ def _row_key(row: dict) -> tuple:
 
 def _finished_rows(path: str | None) -> dict:
     """The ok rows of an earlier results file (--continue-from), by row: a suite longer than one call's time
-    limit runs over several calls, each timing the rows the earlier ones did not. Each keeps the commit it was
-    measured at (rows of files older than that column: the file's)."""
+    limit runs over several calls, each timing the rows the earlier ones did not. Each keeps the commit and the
+    card it was measured at (rows of files older than those columns: the file's)."""
+    from benchutil import gpu_model
+
     if path is None:
         return {}
     try:
         record = json.loads(open(path).read())
         rows, commit = record["rows"], record["meta"].get("commit", "")
+        card = gpu_model(record["meta"].get("gpu", ""))
     except (OSError, ValueError, KeyError, AttributeError) as err:
         raise SystemExit(f"error: --continue-from {path}: not a bench_train results file ({err})") from None
-    return {_row_key(r): {**r, "commit": r.get("commit") or commit} for r in rows if r.get("status") == "ok"}
+    return {_row_key(r): {**r, "commit": r.get("commit") or commit, "gpu": r.get("gpu") or card}
+            for r in rows if r.get("status") == "ok"}
 
 
 def _meta(peak) -> dict:

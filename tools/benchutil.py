@@ -17,6 +17,13 @@ def gpu_name() -> str:
     return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
 
 
+def gpu_model(name: str) -> str:
+    """The card's model from its device name ("NVIDIA H100 80GB HBM3" -> "H100"), for per-row columns: a results
+    file continued over several device calls may hold rows from different cards."""
+    words = name.replace("NVIDIA", "").split()
+    return words[0] if words else name
+
+
 def time_ms(fn, warmup_ms: float = 50, rep_ms: float = 200, grad_to_none=None) -> float:
     """Median milliseconds of fn() measured with CUDA events (triton.testing.do_bench). grad_to_none: leaf tensors
     whose .grad is reset before each (untimed), so that a backward is timed without accumulating into .grad."""

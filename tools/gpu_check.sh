@@ -2,7 +2,7 @@
 # The GPU checks a device session runs, each part fitting one call: every gpu-marked test (each kernel's backward
 # against the fp32 reference ON the GPU: Triton 3.6 on Hopper miscompiles some layouts silently), then the
 # Interdomain benchmark. Run from the repo root on the device machine with `.whl` carried:
-#   MEGAHYBRID_COMMIT=<hash> bash tools/gpu_check.sh [pending|keep-states|mix|s4d|s4d-pieces|s4d-train|prefill-seg|segments-train|scope|mixers|gdn-probe|cp|kernels|stack|bench|paper|precision|recall|recall-diag|all]
+#   MEGAHYBRID_COMMIT=<hash> bash tools/gpu_check.sh [pending|keep-states|mix|s4d|s4d-pieces|s4d-train|prefill-seg|segments-train|scope|profile|mixers|gdn-probe|cp|kernels|stack|bench|paper|precision|recall|recall-diag|all]
 # pending: the GPU tests of what changed since the last H200 run; kernels: tests/kernels (about 4 minutes); stack:
 # the other gpu tests, which train, export and decode models in subprocesses (about 5 minutes); all: both then
 # bench, more than one call's 10 minutes. The tests run in 14 processes (pytest-xdist, in the device image): one
@@ -98,6 +98,14 @@ if [ "$mode" = scope ]; then  # #15/#20: train.compile_scope=layers against the 
     natsl-340m@N+train.compile_scope=layers:none:4 125m@I+train.compile_scope=layers:none:8 2>&1 |
     grep -v -i warn | tail -8
   cp tools/results/bench_train-compile-scope.* "${OUT:-/tmp}/"
+fi
+if [ "$mode" = profile ]; then  # #15: where the step's time goes, megahybrid against the plain-PyTorch baseline
+  # (PROFILE_ROWS, default 350m at 4K: 0.96x the baseline at abe769c; 1.3b:none:4 gave 1.00x at 513bef4), the top
+  # kernels of two compiled steps of each system in $OUT/bench_train-profile.log
+  timeout -k 5 575 python3 tools/bench_train.py --name bench_train-profile --budget-s 550 --row-timeout-s 300 \
+    --profile 30 --rows ${PROFILE_ROWS:-350m:none:8} > "${OUT:-/tmp}/bench_train-profile.log" 2>&1
+  grep -v -i warn "${OUT:-/tmp}/bench_train-profile.log" | grep -E "^ *(megahybrid|baseline|system)" | tail -6
+  cp tools/results/bench_train-profile.* "${OUT:-/tmp}/"
 fi
 if [ "$mode" = gdn-probe ]; then  # #14: one change at a time to the GDN forward state kernel, each variant in its own
   # process, checked against the stock kernel and timed at the 128K prefill and training shapes (about 6 minutes)

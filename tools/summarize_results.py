@@ -61,11 +61,12 @@ def _train_rows(rows, meta):
         compiled = " compiled" if r.get("compile") else ""
         batch = r.get("batch") or (r["micro"] * r.get("gas", 1) if "micro" in r else None)  # newer rows: micro x gas
         what = f"train {r['preset']} seq {r.get('seq')} batch {batch}{compiled}"
-        peak = meta.get("matmul_peak_tflops")  # a number, or a text naming each call's peak: then the row's own
-        if not isinstance(peak, (int, float)) and r.get("MFU_meas") and r.get("TFLOP/s"):
+        peak = meta.get("matmul_peak_tflops")  # the row's own where it has one: rows of several calls keep theirs
+        if r.get("MFU_meas") and r.get("TFLOP/s"):
             peak = r["TFLOP/s"] / r["MFU_meas"]
         yield (what, f"{_num(r['tok/s'], ',.0f')} tok/s, MFU {_num(r.get('MFU_meas'), '.1%')}",
-               f"{_num(r.get('TFLOP/s'), '.0f')} of {_num(peak, '.0f')} TFLOP/s matmul peak", r.get("commit"))
+               f"{_num(r.get('TFLOP/s'), '.0f')} of {_num(peak, '.0f')} TFLOP/s matmul peak", r.get("commit"),
+               r.get("gpu"))
 
 
 def _kernel_rows(rows, meta):
@@ -199,10 +200,11 @@ def render(results_dir: str) -> str:
         if family in variants:
             continue
         meta = _meta(data)
-        for what, value, anchor, *row_commit in latest(headlines(family, data)):  # a row may name its own commit
-            commit = row_commit[0] if row_commit and row_commit[0] else meta.get("commit", "-")
-            cells = [what, value, anchor, str(meta.get("date", "-")), str(meta.get("gpu") or meta.get("device") or "-"),
-                     str(commit), f"[{name}]({name})"]
+        for what, value, anchor, *own in latest(headlines(family, data)):  # a row may name its commit and card
+            commit, card = (list(own) + [None, None])[:2]
+            cells = [what, value, anchor, str(meta.get("date", "-")),
+                     str(card or meta.get("gpu") or meta.get("device") or "-"), str(commit or meta.get("commit", "-")),
+                     f"[{name}]({name})"]
             lines.append("| " + " | ".join(c.replace("|", "/") for c in cells) + " |")
     if variants:
         listed = ", ".join(f"[{current[f][0]}]({current[f][0]}) ({_meta(current[f][1]).get('date', '-')}, "
