@@ -344,12 +344,13 @@ def test_results_summary_keeps_going_on_any_json(tmp_path):
     rerun = {"meta": {"date": "2026-12-03", "commit": "old1234"}, "rows": [
         {"preset": "125m@I", "seq": 4096, "micro": 8, "tok/s": 1000.0, "commit": "old1234"},
         {"preset": "125m@S", "seq": 4096, "micro": 8, "tok/s": 3000.0, "commit": "old1234"},
-        {"preset": "125m@I", "seq": 4096, "micro": 8, "tok/s": 2000.0, "commit": "new5678", "gpu": "H100"}]}
+        {"preset": "125m@I", "seq": 4096, "micro": 8, "tok/s": 2000.0, "commit": "new5678", "gpu": "H100",
+         "date": "2026-12-05"}]}
     (tmp_path / "rerun.json").write_text(json.dumps(rerun))
     assert summary.main(["--results", str(tmp_path)]) == 0
     rows = [line for line in (tmp_path / "README.md").read_text().splitlines() if "[rerun.json]" in line]
-    assert len(rows) == 2 and "2,000 tok/s" in rows[0] and "| H100 | new5678 |" in rows[0], rows
-    assert "125m@S" in rows[1] and "| - | old1234 |" in rows[1], rows  # a row without a card: the file's (none)
+    assert len(rows) == 2 and "2,000 tok/s" in rows[0] and "| 2026-12-05 | H100 | new5678 |" in rows[0], rows
+    assert "125m@S" in rows[1] and "| 2026-12-03 | - | old1234 |" in rows[1], rows  # no date, card: the file's
     (tmp_path / "rerun.json").unlink()
     assert summary.main(["--results", str(tmp_path)]) == 0
     assert summary.main(["--results", str(tmp_path), "--check"]) == 0

@@ -242,20 +242,22 @@ def test_bench_train_runs_the_trainer_step_and_the_baseline_on_cpu(tmp_path):
         ("baseline", "none", 256, 2)]
     assert all(r["tok/s"] > 0 and r["TFLOP/s"] > 0 and r["status"] == "ok" for r in saved["rows"])
     assert {"date", "gpu", "commit", "timed", "flops_per_token"} <= set(saved["meta"])
-    assert {(r["commit"], r["gpu"]) for r in saved["rows"]} == {(saved["meta"]["commit"], "cpu")}
+    assert {(r["commit"], r["gpu"], r["date"]) for r in saved["rows"]} == {
+        (saved["meta"]["commit"], "cpu", saved["meta"]["date"])}
     # A later call keeps the earlier call's finished rows and times only the new one; each row keeps the commit
-    # and card it was measured at (a row of a file from before those columns: the file's).
-    older = dict(saved, meta={**saved["meta"], "commit": "abc1234", "gpu": "NVIDIA H200"})
-    older["rows"] = [{k: v for k, v in r.items() if k not in ("commit", "gpu")} for r in saved["rows"]]
+    # card and date it was measured at (a row of a file from before those columns: the file's).
+    older = dict(saved, meta={**saved["meta"], "commit": "abc1234", "gpu": "NVIDIA H200", "date": "2026-01-02"})
+    older["rows"] = [{k: v for k, v in r.items() if k not in ("commit", "gpu", "date")} for r in saved["rows"]]
     earlier = tmp_path / "earlier.json"
     earlier.write_text(json.dumps(older))
     rc = bench.main(["--rows", "tiny:full:2", "tiny:none:2:256", "--seq", "128", "--tokens", "512", "--steps", "2",
                      "--warmup", "1", "--no-baseline", "--continue-from", str(earlier), "--results-dir",
                      str(tmp_path)])
     rows = json.loads(path.read_text())["rows"]
-    assert rc == 0 and rows[0] == {**saved["rows"][0], "commit": "abc1234", "gpu": "H200"}, rows
+    assert rc == 0 and rows[0] == {**saved["rows"][0], "commit": "abc1234", "gpu": "H200", "date": "2026-01-02"}, rows
     assert (rows[1]["micro"], rows[1]["seq"], rows[1]["status"]) == (2, 256, "ok"), rows
-    assert (rows[1]["commit"], rows[1]["gpu"]) == (saved["meta"]["commit"], "cpu"), rows
+    assert (rows[1]["commit"], rows[1]["gpu"], rows[1]["date"]) == (
+        saved["meta"]["commit"], "cpu", saved["meta"]["date"]), rows
 
 
 def test_save_results_writes_the_benchmarks_current_file(tmp_path, monkeypatch):

@@ -28,6 +28,7 @@ row at the micro-batch of its first row. Results: tools/results/NAME.{json,md} (
 GPU and commit in the meta).
 """
 import argparse
+import datetime
 import json
 import os
 import sys
@@ -46,7 +47,7 @@ RECOMPUTE = {
     "full": {"recompute": "full"},
 }
 COLUMNS = ["system", "preset", "recompute", "micro", "gas", "seq", "compile", "tok/s", "TFLOP/s", "MFU_989",
-           "MFU_meas", "peak_GiB", "step_s", "warmup_s", "status", "commit", "gpu"]  # where the row was measured
+           "MFU_meas", "peak_GiB", "step_s", "warmup_s", "status", "commit", "gpu", "date"]  # where and when measured
 DEFAULT_ROWS = ["125m:none:8", "350m:none:8", "1.3b:none:4", "1.3b:selective_mlp:4", "1.3b:full:4"]
 # --suite mixers: every mixer in its issue's preset shape, at 4K and 16K (issue #20), 16 x 4096 tokens per step
 MIXER_SUITE = [f"{model}:none:{micro}:{seq}" for seq, scale in ((4096, 1), (16384, 4))
@@ -268,7 +269,7 @@ def main(argv=None) -> int:
     from benchutil import format_table, gpu_model, gpu_name, save_results
     from megahybrid.outputs import git_commit
 
-    here, card = git_commit(), gpu_model(gpu_name())
+    here, card, today = git_commit(), gpu_model(gpu_name()), datetime.date.today().isoformat()
     deadline = time.monotonic() + args.budget_s
     specs = MIXER_SUITE if args.suite == "mixers" else args.rows
     earlier = _finished_rows(args.continue_from)
@@ -280,7 +281,7 @@ def main(argv=None) -> int:
         left = deadline - time.monotonic()
         timeout = min(left, args.row_timeout_s)
         result = run_row(row, _shared_argv(args), timeout) if left > 10 else {**row, "status": "skipped: budget"}
-        result["commit"], result["gpu"] = here, card
+        result.update(commit=here, gpu=card, date=today)
         done.append({column: result.get(column, "") for column in COLUMNS})
         print(format_table([done[-1]]), flush=True)
         save_results(args.name, done, _meta(None), args.results_dir)
@@ -300,8 +301,8 @@ def _row_key(row: dict) -> tuple:
 
 def _finished_rows(path: str | None) -> dict:
     """The ok rows of an earlier results file (--continue-from), by row: a suite longer than one call's time
-    limit runs over several calls, each timing the rows the earlier ones did not. Each keeps the commit and the
-    card it was measured at (rows of files older than those columns: the file's)."""
+    limit runs over several calls, each timing the rows the earlier ones did not. Each keeps the commit, card and
+    date it was measured at (rows of files older than those columns: the file's)."""
     from benchutil import gpu_model
 
     if path is None:
@@ -309,11 +310,11 @@ def _finished_rows(path: str | None) -> dict:
     try:
         record = json.loads(open(path).read())
         rows, commit = record["rows"], record["meta"].get("commit", "")
-        card = gpu_model(record["meta"].get("gpu", ""))
+        card, date = gpu_model(record["meta"].get("gpu", "")), record["meta"].get("date", "")
     except (OSError, ValueError, KeyError, AttributeError) as err:
         raise SystemExit(f"error: --continue-from {path}: not a bench_train results file ({err})") from None
-    return {_row_key(r): {**r, "commit": r.get("commit") or commit, "gpu": r.get("gpu") or card}
-            for r in rows if r.get("status") == "ok"}
+    return {_row_key(r): {**r, "commit": r.get("commit") or commit, "gpu": r.get("gpu") or card,
+                          "date": r.get("date") or date} for r in rows if r.get("status") == "ok"}
 
 
 def _meta(peak) -> dict:

@@ -112,14 +112,13 @@ if [ "$mode" = gdn-probe ]; then  # #14: one change at a time to the GDN forward
   timeout -k 5 560 python3 tools/probe_gdn_state.py --row-timeout-s 90 2>&1 | tail -30
   cp tools/results/gdn-state-probe.* "${OUT:-/tmp}/" 2>/dev/null
 fi
-if [ "$mode" = cp ]; then  # #18: one CP rank's compute at cp = 2 for the I and G models (64K context), eager and
-  # compiled (training compiles; c7dda94's table was eager), after session 19's blocked shard summary
-  for c in "" --compile; do
-    timeout -k 5 270 python3 tools/bench_cp.py --models 350m-interdomain natsl-340m@G --cps 2 $c 2>&1 | grep -v -i warn |
-      tail -4
-    cp tools/results/bench_cp.md "${OUT:-/tmp}/bench_cp${c:+-compiled}.md"
-    cp tools/results/bench_cp.json "${OUT:-/tmp}/bench_cp${c:+-compiled}.json"
-  done
+if [ "$mode" = cp ]; then  # #18: one CP rank's compute at cp = 2 for the I and G models (64K context), compiled
+  # layer by layer as training compiles, with the kernel times of the rank and of the shard without CP (0056fcb on an
+  # H100, no profile: I 1.59, G 1.20 against the 1.1 target; c7dda94's eager table: I 1.29, G 1.16)
+  timeout -k 5 560 python3 tools/bench_cp.py --models 350m-interdomain natsl-340m@G --cps 2 --compile --profile 2>&1 |
+    grep -v -i warn | tail -4
+  cp tools/results/bench_cp.md "${OUT:-/tmp}/bench_cp-compiled.md"
+  cp tools/results/bench_cp.json "${OUT:-/tmp}/bench_cp-compiled.json"
 fi
 if [ "$mode" = mixers ]; then  # #20: every mixer at 4K and 16K through `megahybrid train`'s step (--suite mixers,
   # about 20 minutes: more than one call). Each call keeps the ok rows of the last one: copy $OUT's
