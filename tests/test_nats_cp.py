@@ -147,7 +147,7 @@ def test_shard_attention_on_ranks_sends_only_kept_chunks():
 
 @pytest.mark.parametrize("kept", [0.0, 0.25, 1.0])
 def test_cp_bytes_count_the_compacted_pieces(kept):
-    """nats_cp_bytes of `N` over `G` (the attention branch's share) at model.nats.kept_fraction is 3 (cp - 1)
+    """nats_cp_bytes of `N` over `G` (the attention branch's share) at model.nats.kept_fraction is 2 (cp - 1)
     times the pieces compact_kept_chunks builds for a bf16 shard with that share of each head's chunks kept."""
     import dataclasses
 
@@ -162,7 +162,7 @@ def test_cp_bytes_count_the_compacted_pieces(kept):
     keep[..., :round(kept * shard // 64)] = 1
     slots = max(1, int((keep == 1).sum(-1).max()))
     piece = sum(t.numel() * t.element_size() for t in compact_kept_chunks(x, keep, slots))
-    assert nats_cp_bytes(cfg, cp, 2) - nats_cp_bytes(cfg, cp, 2, select=False) == 3 * (cp - 1) * piece
+    assert nats_cp_bytes(cfg, cp, 2) - nats_cp_bytes(cfg, cp, 2, select=False) == 2 * (cp - 1) * piece
 
 
 def test_cp_extra_flops_of_the_state_passing():

@@ -3,7 +3,8 @@
 A CP rank runs its shard (S = context / cp tokens) through the whole model, forward and backward, with the
 state-passing pieces: the conv halos, the shard summaries, the prefix combine and the corrected outputs (and for
 `N` the gathered attention keys). Here the collectives of a stand-in CP group run locally: an all-gather returns
-cp copies of this rank's piece (the same shapes, so the same compute as on cp GPUs) and an all-reduce is a no-op,
+cp copies of this rank's piece (the same shapes, so the same compute as on cp GPUs), an all-reduce is a no-op and
+a reduce-scatter keeps this rank's part,
 for the last rank (cp - 1), which has the most attention work. Against it: the same model on the same S tokens
 without CP, i.e. what each GPU computes at cp = 1. The bytes each rank sends come from the mixer records
 (`cp_bytes`), and the link time assumes `--link-gbs` GB/s per GPU (an assumption, stated in the results: one
@@ -51,7 +52,8 @@ class StandInGroup:
 def stand_in_cp(group: StandInGroup):
     """torch.distributed's calls on `group` answered locally, every other group's passed on; the mixer modules'
     layer CP group is `group` meanwhile."""
-    real = {name: getattr(dist, name) for name in ("get_rank", "get_world_size", "all_gather", "all_reduce")}
+    scatters = [name for name in ("reduce_scatter_tensor", "reduce_scatter_single") if hasattr(dist, name)]
+    real = {name: getattr(dist, name) for name in ("get_rank", "get_world_size", "all_gather", "all_reduce", *scatters)}
 
     def get_rank(group_=None):
         return group.rank_ if group_ is group else real["get_rank"](group_)
@@ -69,11 +71,19 @@ def stand_in_cp(group: StandInGroup):
         if group is not stand_in:
             return real["all_reduce"](x, *args, group=group, **kwargs)
 
+    def reduce_scatter(output, parts, *args, group=None, **kwargs):  # the sum over identical copies: a copy
+        if group is not stand_in:
+            return real[scatters[-1]](output, parts, *args, group=group, **kwargs)
+        n = output.shape[0]
+        output.copy_(parts[stand_in.rank_ * n:(stand_in.rank_ + 1) * n])
+
     stand_in, owners = group, (interdomain, nats)
     saved_cp = [owner.layer_cp_group for owner in owners]
     try:
         for fn in (get_rank, get_world_size, all_gather, all_reduce):
             setattr(dist, fn.__name__, fn)
+        for name in scatters:
+            setattr(dist, name, reduce_scatter)
         for owner in owners:
             owner.layer_cp_group = lambda config: stand_in
         yield

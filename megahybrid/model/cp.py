@@ -18,8 +18,9 @@ from megahybrid_kernels._triton import tf32_products
 
 
 class _GatherSequence(torch.autograd.Function):
-    """All-gather along `dim` over `group` in rank order; the backward all-reduces and keeps this rank's part
-    (reduce-scatter on backends that have it, which gloo does not)."""
+    """All-gather along `dim` over `group` in rank order; the backward reduce-scatters the gradient, each rank
+    getting the sum of every rank's gradient for its own part: (cp - 1) pieces sent, where an all-reduce of the
+    gathered gradient sends 2 (cp - 1). NCCL and gloo (torch 2.13, the CPU pin) serve it; torch.compile traces it."""
 
     @staticmethod
     def forward(ctx, x, dim, group):
@@ -31,9 +32,17 @@ class _GatherSequence(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        grad = grad.contiguous()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad.chunk(ctx.size, ctx.dim)[ctx.rank].contiguous(), None, None
+        parts = torch.cat(grad.chunk(ctx.size, ctx.dim))  # the ranks' parts one after another along dim 0
+        mine = parts.new_empty(parts.shape[0] // ctx.size, *parts.shape[1:])
+        reduce_scatter(mine, parts, group=ctx.group)
+        return mine, None, None
+
+
+def reduce_scatter(output: torch.Tensor, parts: torch.Tensor, group) -> None:
+    """output = the sum over ranks of their parts[r * n:(r + 1) * n] for this rank r (n = len(output)), the
+    concatenated form (gloo serves no other). Looked up at each call, so that a stand-in group (tools/bench_cp.py)
+    can answer it; reduce_scatter_single is torch 2.13's name for reduce_scatter_tensor, which it deprecates."""
+    (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(output, parts, group=group)
 
 
 def gather_sequence(x: torch.Tensor, dim: int, group) -> torch.Tensor:
@@ -86,7 +95,7 @@ def _prefix(final_state, transition, group, apply):
         return torch.zeros_like(final_state)
     rank = dist.get_rank(group)
     # One all-gather of both summaries. Every rank's result depends on it (rank 0 through a zero term), so every
-    # rank runs its backward all-reduce, which the later ranks' gradients for rank 0's summary need.
+    # rank runs its backward reduce-scatter, which the later ranks' gradients for rank 0's summary need.
     packed = gather_sequence(torch.cat([final_state.flatten(), transition.flatten()])[None], 0, group)
     states = packed[:, :final_state.numel()].reshape(size, *final_state.shape)
     transitions = packed[:, final_state.numel():].reshape(size, *transition.shape)
@@ -99,7 +108,7 @@ def _prefix(final_state, transition, group, apply):
 def previous_shard_tail(x: torch.Tensor, width: int, group) -> torch.Tensor:
     """The last `width` rows along dim 1 of the previous rank's x [B, S, C] (zeros on rank 0): a short conv's halo.
     Differentiable; every rank uses the gathered tensor (rank 0 through a zero term), so every rank runs the
-    backward all-reduce."""
+    backward reduce-scatter."""
     tails = gather_sequence(x[:, x.shape[1] - width:], 1, group)
     rank = dist.get_rank(group)
     if rank == 0:

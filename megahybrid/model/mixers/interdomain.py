@@ -527,14 +527,14 @@ def _conv_channels(cfg, s4d: bool) -> int:
 
 
 def _cp_bytes(cfg, cp: int, element_bytes: int, s4d: bool) -> int:
-    """Two all-gathers per layer, each (cp - 1) per-rank pieces forward and an all-reduce of the gathered
-    gradient, 2 (cp - 1) pieces, backward: the conv halo (K - 1 input rows of every conv channel, in the
+    """Two all-gathers per layer, each (cp - 1) per-rank pieces forward and a reduce-scatter of the gathered
+    gradient, (cp - 1) pieces, backward: the conv halo (K - 1 input rows of every conv channel, in the
     activation dtype) and the fp32 shard summary (the complex state, plus lambda^S once: an upper bound per
     sequence when a batch shares it). Independent of the sequence length."""
     H, _, _ = cfg.interdomain.heads(cfg.hidden_size, cfg.head_dim)
     halo = (cfg.interdomain.conv_size - 1) * H * _conv_channels(cfg, s4d) * element_bytes
     summary = 4 * (_state_floats(cfg, s4d) + 2 * H * cfg.interdomain.modes)
-    return 3 * (cp - 1) * (halo + summary)
+    return 2 * (cp - 1) * (halo + summary)
 
 
 def _cp_flops(cfg, cp: int, s4d: bool) -> float:

@@ -500,8 +500,8 @@ def cache_bytes(cfg, context: int, kv_bytes: int = 2) -> dict[str, int]:
 
 def nats_cp_bytes(cfg, cp: int, element_bytes: int, select: bool = True) -> int:
     """Bytes one CP rank sends per layer, sequence and training step. Each all-gather sends (cp - 1) copies of
-    the rank's piece forward and all-reduces the gathered gradient, 2 (cp - 1) pieces, backward (gloo has no
-    reduce-scatter). Pieces: the conv halo (conv_size - 1 input rows of the q/k/v channels, activation dtype), the
+    the rank's piece forward and reduce-scatters the gathered gradient, (cp - 1) pieces, backward. Pieces: the
+    conv halo (conv_size - 1 input rows of the q/k/v channels, activation dtype), the
     fp32 GDN summary (state S_loc [K, V] and transition Phi [K, K] per head); for `N` also the attention view's K
     and V of C compacted chunks (activation dtype) and their fp32 keep entries, C = ceil(kept_fraction * S / 64)
     with model.nats.kept_fraction read as the kept share of the most-keeping (sequence, head, rank), which sizes
@@ -512,7 +512,7 @@ def nats_cp_bytes(cfg, cp: int, element_bytes: int, select: bool = True) -> int:
     if select:
         slots = _cp_slots(cfg, cp)
         piece += slots * CHUNK * H * (K + V) * element_bytes + 4 * slots * o.attention_heads
-    return 3 * (cp - 1) * piece
+    return 2 * (cp - 1) * piece
 
 
 def _cp_slots(cfg, cp: int) -> int:

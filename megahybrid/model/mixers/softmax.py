@@ -106,10 +106,10 @@ def softmax_state_floats(cfg, context: int) -> int:
 
 
 def softmax_cp_bytes(cfg, cp: int, element_bytes: int) -> int:
-    """Forward: a ring all-gather of this shard's K and V, (cp - 1) shards each; backward: an all-reduce of their
-    gradients over the gathered length, 2 (cp - 1) shards each (gloo has no reduce-scatter)."""
+    """Forward: a ring all-gather of this shard's K and V, (cp - 1) shards each; backward: a reduce-scatter of
+    their gradients over the gathered length, (cp - 1) shards each."""
     shard = cfg.kv_heads * cfg.head_dim * (cfg.seq_length // cp) * element_bytes
-    return 2 * 3 * (cp - 1) * shard
+    return 2 * 2 * (cp - 1) * shard
 
 
 SOFTMAX = Mixer("S", "softmax attention", softmax_spec, softmax_params, softmax_flops, softmax_state_floats,
