@@ -32,7 +32,8 @@ class _GatherSequence(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        parts = torch.cat(grad.chunk(ctx.size, ctx.dim))  # the ranks' parts one after another along dim 0
+        # the ranks' parts one after another along dim 0 (already so, without a copy, for a gather along dim 0)
+        parts = grad.contiguous() if ctx.dim == 0 else torch.cat(grad.chunk(ctx.size, ctx.dim))
         mine = parts.new_empty(parts.shape[0] // ctx.size, *parts.shape[1:])
         reduce_scatter(mine, parts, group=ctx.group)
         return mine, None, None
