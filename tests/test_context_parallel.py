@@ -174,6 +174,30 @@ def test_train_command_at_cp2_with_nats_layers(tmp_path, monkeypatch):
         assert got[step] == pytest.approx(ref[step], rel=1e-5), (step, got[step], ref[step])
 
 
+@pytest.mark.dist
+@pytest.mark.slow
+def test_train_command_at_cp2_compiled(tmp_path, monkeypatch):
+    """`megahybrid train model.pattern=IG parallel.cp=2 train.compile=true`: the loss curve of the eager 1-rank
+    run. The CP collectives run between compiled graphs (megahybrid.model.cp._gather_outside_graphs): inside them,
+    rank 0's gradient for a gathered tensor is a constant, its backward reduce-scatter was hoisted into its forward
+    graph and the two ranks waited on different collectives in the first step."""
+    from megahybrid.data.builtin import prepare_builtin
+    from tests.test_train_resume import _args, losses, run
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    data_dir = str(tmp_path / "builtin")
+    prepare_builtin(data_dir, vocab_size=512, num_docs=2000)
+    one, two = str(tmp_path / "cp1"), str(tmp_path / "cp2")
+    run(_args(one, data_dir, 3, "model.pattern=IG"))
+    (_, stdout, _), _ = run(_args(two, data_dir, 3, "model.pattern=IG", "parallel.cp=2", "train.compile=true"),
+                            world=2)
+    assert "compile=True" in stdout and "cp=2" in stdout
+    ref, got = losses(one), losses(two)
+    assert sorted(got) == sorted(ref) == list(range(1, 4))
+    for step in ref:
+        assert got[step] == pytest.approx(ref[step], rel=1e-5), (step, got[step], ref[step])
+
+
 @pytest.mark.parametrize("pattern", ["G", "N"])
 def test_nats_shards_must_be_whole_chunks(pattern):
     """seq_length 192 at cp = 2 gives 96-token shards, which NAtS-L's 64-token chunk scores cannot serve."""

@@ -50,7 +50,27 @@ def gather_sequence(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     """The whole sequence from every rank's shard along `dim` (differentiable)."""
     if group is None or dist.get_world_size(group) == 1:
         return x
+    return _gather_outside_graphs(x, dim, group)
+
+
+@torch.compiler.disable
+def _gather_outside_graphs(x, dim, group):
+    """The CP collectives run between compiled graphs, never in one. The ranks' graphs differ (rank 0 has no
+    prefix: its use of a gathered tensor is a zero term or an empty slice), and where a rank's gradient for a
+    gathered tensor is a constant, AOT autograd's partitioner hoists the backward reduce-scatter into that rank's
+    forward graph: `model.pattern=G parallel.cp=2 train.compile=true` hung in the first step, rank 0 in that
+    reduce-scatter, rank 1 in the next forward all-gather. Eager, each collective runs where autograd reaches it,
+    in the same order on every rank."""
     return _GatherSequence.apply(x, dim, group)
+
+
+@torch.compiler.disable
+def max_over_ranks(count: torch.Tensor, group) -> int:
+    """The largest of every rank's one-element count, as an int (a host sync; outside compiled graphs as the
+    gathers are)."""
+    count = count.detach().clone()
+    dist.all_reduce(count, dist.ReduceOp.MAX, group=group)
+    return int(count)
 
 
 def shard_batch(batch: dict, cp_rank: int, cp: int) -> dict:

@@ -59,7 +59,7 @@ from megahybrid_kernels.nats import chunk_selected_attention, chunk_selected_gdn
 from megahybrid_kernels.nats.attention import SelectedAttentionCache, selected_attention_prefill, selected_attention_step
 from megahybrid.errors import ConfigError
 from megahybrid.model.cp import (
-    gather_sequence, layer_cp_group, prefix_states_matrix, previous_shard_tail)
+    gather_sequence, layer_cp_group, max_over_ranks, prefix_states_matrix, previous_shard_tail)
 from megahybrid.model.mixers import Mixer
 from megahybrid.model.mixers.gdn_segments import affine_gdn, from_start, segmented_gdn
 from megahybrid.model.mixers.shortconv import causal_depthwise_conv
@@ -393,9 +393,8 @@ def _shard_attention(group):
     kept chunks of every earlier shard, compacted, then this shard with its own keep decisions."""
 
     def attention(q, k, v, keep, scale, check_values=True):
-        count = (keep.detach() == 1).sum(-1).amax().reshape(1)
-        torch.distributed.all_reduce(count, torch.distributed.ReduceOp.MAX, group=group)
-        slots = max(1, int(count))  # one all-padding slot when nothing is kept: every rank's shapes still agree
+        count = max_over_ranks((keep.detach() == 1).sum(-1).amax().reshape(1), group)
+        slots = max(1, count)  # one all-padding slot when nothing is kept: every rank's shapes still agree
         kv, kept = compact_kept_chunks(torch.cat([k, v], -1), keep, slots)
         rank = torch.distributed.get_rank(group)
         # Every rank, rank 0 with an empty prefix, slices both gathered tensors, so every rank runs their backward.
