@@ -122,11 +122,12 @@ if [ "$mode" = cp ]; then  # #18: one CP rank's compute at cp = 2 for the I and 
 fi
 if [ "$mode" = mixers ]; then  # #20: every mixer at 4K and 16K through `megahybrid train`'s step (--suite mixers,
   # about 20 minutes: more than one call). Each call keeps the ok rows of the last one: copy $OUT's
-  # bench_train-mixers.json to tools/results before the next call (an untracked file travels with the tree)
-  prev=tools/results/bench_train-mixers.json cont=()
+  # bench_train-mixers.json to tools/results before the next call (an untracked file travels with the tree).
+  # MIXERS_BUDGET_S (default 550) fits a call given less than 600 s of device time
+  prev=tools/results/bench_train-mixers.json cont=() budget=${MIXERS_BUDGET_S:-550}
   [ -f "$prev" ] && cont=(--continue-from "$prev")
-  timeout -k 5 575 python3 tools/bench_train.py --suite mixers --no-baseline --name bench_train-mixers \
-    --budget-s 550 --row-timeout-s 420 "${cont[@]}" 2>&1 |
+  timeout -k 5 $((budget + 25)) python3 tools/bench_train.py --suite mixers --no-baseline --name bench_train-mixers \
+    --budget-s "$budget" --row-timeout-s $((budget < 420 ? budget : 420)) "${cont[@]}" 2>&1 |
     grep -v -i warn | tail -18
   cp tools/results/bench_train-mixers.* "${OUT:-/tmp}/"
 fi

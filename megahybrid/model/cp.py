@@ -20,7 +20,8 @@ from megahybrid_kernels._triton import tf32_products
 class _GatherSequence(torch.autograd.Function):
     """All-gather along `dim` over `group` in rank order; the backward reduce-scatters the gradient, each rank
     getting the sum of every rank's gradient for its own part: (cp - 1) pieces sent, where an all-reduce of the
-    gathered gradient sends 2 (cp - 1). NCCL and gloo (torch 2.13, the CPU pin) serve it; torch.compile traces it."""
+    gathered gradient sends 2 (cp - 1). NCCL and gloo (torch 2.13, the CPU pin) serve it; it runs outside compiled
+    graphs (gather_sequence)."""
 
     @staticmethod
     def forward(ctx, x, dim, group):
