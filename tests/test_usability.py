@@ -260,6 +260,19 @@ def test_bench_train_runs_the_trainer_step_and_the_baseline_on_cpu(tmp_path):
         saved["meta"]["commit"], "cpu", saved["meta"]["date"]), rows
 
 
+def test_bench_train_meta_names_each_kept_calls_peak():
+    """A call that keeps earlier rows names each kept call's matmul peak in the meta, as its rows imply it
+    (TFLOP/s / MFU_meas); rows of this call and rows without a measured MFU name none."""
+    bench = _tool("bench_train")
+    rows = [dict(commit="aaa", gpu="H200", **{"TFLOP/s": 350.0, "MFU_meas": 0.5}),
+            dict(commit="aaa", gpu="H200", **{"TFLOP/s": 140.0, "MFU_meas": 0.2}),
+            dict(commit="bbb", gpu="H100", **{"TFLOP/s": "", "MFU_meas": ""}),
+            dict(commit="ccc", gpu="H100", **{"TFLOP/s": 300.0, "MFU_meas": 0.4})]
+    assert bench._kept_peaks(rows, rows[3:]) == "aaa H200 700.0"
+    assert bench._kept_peaks(rows, []) == "aaa H200 700.0, ccc H100 750.0"
+    assert bench._kept_peaks(rows[2:3], []) == "none recorded"
+
+
 def test_save_results_writes_the_benchmarks_current_file(tmp_path, monkeypatch):
     """tools/benchutil.save_results: NAME.json and NAME.md, replaced by the next call (one current result per
     benchmark; git keeps the earlier ones), date, GPU and commit in the meta, both copied to $OUT when it is set."""

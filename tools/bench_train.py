@@ -288,7 +288,7 @@ def main(argv=None) -> int:
     fresh = [r for r in done if _row_key(r) not in earlier]  # kept rows keep the MFU of their own call's peak
     peak = _add_measured_mfu(fresh)
     if peak is not None and len(fresh) < len(done):
-        peak = f"{peak} (this call's; kept rows' MFU_meas use their own call's peak)"
+        peak = f"{peak} (this call's; kept rows' MFU_meas use their own call's peak: {_kept_peaks(done, fresh)})"
     path = save_results(args.name, done, _meta(peak), args.results_dir)
     print(format_table(done))
     print(f"written {path}")
@@ -321,6 +321,15 @@ def _meta(peak) -> dict:
     return {"timed": "warm-up steps (incl. compile) excluded",
             "flops_per_token": "megahybrid.train.metrics.flops_per_token (3 x forward; mixers from their records)",
             "matmul_peak_tflops": peak}
+
+
+def _kept_peaks(done: list[dict], fresh: list[dict]) -> str:
+    """Each kept call's matmul peak, as its rows imply it (TFLOP/s / MFU_meas): 'commit card peak, ...'."""
+    peaks = {}
+    for row in done:
+        if row not in fresh and row.get("MFU_meas") not in ("", None, 0):
+            peaks.setdefault((row["commit"], row["gpu"]), round(row["TFLOP/s"] / row["MFU_meas"], 1))
+    return ", ".join(f"{commit} {card} {peak}" for (commit, card), peak in peaks.items()) or "none recorded"
 
 
 def _add_measured_mfu(rows: list[dict]):
