@@ -33,7 +33,7 @@ def present(t: torch.Tensor | None) -> torch.Tensor | None:
 
 class tf32_products:
     """torch's TF32 switch for float32 matrix products (cuBLAS on the GPU), on inside the block only: the host-side
-    products of the CP shard summaries, whose 16-bit inputs are exact in TF32 (megahybrid.model.cp)."""
+    products of the CP shard summaries (tf32_bmm), whose 16-bit inputs are exact in TF32 (megahybrid.model.cp)."""
 
     def __enter__(self):
         self.saved = torch.backends.cuda.matmul.allow_tf32
@@ -41,6 +41,20 @@ class tf32_products:
 
     def __exit__(self, *exc):
         torch.backends.cuda.matmul.allow_tf32 = self.saved
+
+
+@torch.library.custom_op("megahybrid::tf32_bmm", mutates_args=())
+def tf32_bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a [N, I, K] @ b [N, K, J] in fp32 (either may be 16-bit: cast first) on the TF32 tensor cores. A custom op
+    because torch.compile traces tf32_products' switch only while tracing: the compiled products ran in full fp32
+    (cuBLAS's non-tensor-core kernels), whatever the block said; as an op the switch is set where it runs."""
+    with tf32_products():
+        return torch.bmm(a.float(), b.float())
+
+
+@tf32_bmm.register_fake
+def _(a, b):
+    return a.new_empty(a.shape[0], a.shape[1], b.shape[2], dtype=torch.float32)
 
 
 # tl.dot's input_precision for fp32 operands on the GPU, per op, chosen by tools/bench_dot_precision.py on the H200

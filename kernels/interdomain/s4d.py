@@ -13,7 +13,7 @@ that defines it.
 """
 import torch
 
-from megahybrid_kernels._triton import tf32_products
+from megahybrid_kernels._triton import tf32_bmm
 
 __all__ = ["s4d_contraction", "s4d_contraction_naive", "s4d_contraction_step", "zero_start_state"]
 
@@ -95,15 +95,21 @@ class _Tf32Sum(torch.autograd.Function):
     @staticmethod
     def forward(ctx, w, x):
         ctx.save_for_backward(w, x)
-        with tf32_products():
-            return torch.einsum("thk,bthd->bhkd", w, x.float())
+        B, T, H, D = x.shape
+        x_HTN = x.permute(2, 1, 0, 3).reshape(H, T, B * D)  # N = (b, d): one product per head
+        return tf32_bmm(w.permute(1, 2, 0), x_HTN).reshape(H, -1, B, D).permute(2, 0, 1, 3)
 
     @staticmethod
     def backward(ctx, ds):
         w, x = ctx.saved_tensors
-        with tf32_products():
-            dw = torch.einsum("bhkd,bthd->thk", ds, x.float()) if ctx.needs_input_grad[0] else None
-            dx = torch.einsum("thk,bhkd->bthd", w, ds).to(x.dtype) if ctx.needs_input_grad[1] else None
+        B, T, H, D = x.shape
+        dw = dx = None
+        if ctx.needs_input_grad[0]:
+            x_HTN = x.permute(2, 1, 0, 3).reshape(H, T, B * D)
+            dw = tf32_bmm(x_HTN, ds.permute(1, 0, 3, 2).reshape(H, B * D, -1)).permute(1, 0, 2)
+        if ctx.needs_input_grad[1]:
+            dx_HTN = tf32_bmm(w.permute(1, 0, 2), ds.permute(1, 2, 0, 3).reshape(H, -1, B * D))
+            dx = dx_HTN.reshape(H, T, B, D).permute(2, 1, 0, 3).to(x.dtype)
         return dw, dx
 
 

@@ -14,7 +14,7 @@ summaries for diagonal and matrix transitions, and the read-out of a start state
 import torch
 import torch.distributed as dist
 
-from megahybrid_kernels._triton import tf32_products
+from megahybrid_kernels._triton import tf32_bmm
 
 
 class _GatherSequence(torch.autograd.Function):
@@ -157,15 +157,21 @@ class _Tf32StateReadout(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, s):
         ctx.save_for_backward(x, s)
-        with tf32_products():
-            return torch.einsum("bthk,bhkv->bthv", x.float(), s)
+        B, T, H, K = x.shape
+        o = tf32_bmm(x.transpose(1, 2).reshape(B * H, T, K), s.reshape(B * H, K, -1))  # one product per (b, h)
+        return o.reshape(B, H, T, -1).transpose(1, 2)
 
     @staticmethod
     def backward(ctx, do):
         x, s = ctx.saved_tensors
-        with tf32_products():
-            dx = torch.einsum("bthv,bhkv->bthk", do, s).to(x.dtype) if ctx.needs_input_grad[0] else None
-            ds = torch.einsum("bthk,bthv->bhkv", x.float(), do) if ctx.needs_input_grad[1] else None
+        B, T, H, K = x.shape
+        do_NTV = do.transpose(1, 2).reshape(B * H, T, -1)
+        dx = ds = None
+        if ctx.needs_input_grad[0]:
+            dx = tf32_bmm(do_NTV, s.transpose(-1, -2).reshape(B * H, -1, K))
+            dx = dx.reshape(B, H, T, K).transpose(1, 2).to(x.dtype)
+        if ctx.needs_input_grad[1]:
+            ds = tf32_bmm(x.permute(0, 2, 3, 1).reshape(B * H, K, T), do_NTV).reshape(s.shape)
         return dx, ds
 
 

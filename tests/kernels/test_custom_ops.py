@@ -1,4 +1,4 @@
-"""The Triton ops as torch custom ops (megahybrid::interdomain_*, selected_attention_*, selected_gdn_*): their
+"""The Triton ops as torch custom ops (megahybrid::interdomain_*, selected_attention_*, selected_gdn_*, tf32_bmm): their
 registration passes torch's own checks (torch.library.opcheck), and a compiled caller keeps each op inside one
 graph (fullgraph=True) with the same outputs and gradients as eager.
 
@@ -142,3 +142,52 @@ def test_compiled_caller_keeps_the_s4d_carry_in_one_graph(device):
     x, decay, b, c, s0 = (t.to(device) for t in _inputs(T=100, M=8, D=12))
     _compiled_matches_eager(lambda *a: s4d_contraction_chunked(*a, output_final_state=True, chunk_size=32),
                             [x, decay, b, c, s0])
+
+
+def test_tf32_bmm_op_registration():
+    from megahybrid_kernels._triton import tf32_bmm
+
+    g = torch.Generator().manual_seed(0)
+    torch.library.opcheck(tf32_bmm, (torch.randn(3, 5, 4, generator=g).bfloat16(), torch.randn(3, 4, 6, generator=g)))
+
+
+def _aten_targets_when_compiled(fn, args):
+    """fn(*args) compiled (AOT autograd, graphs kept as traced), its backward run: the outputs, the leaves'
+    gradients and the call targets of the forward and backward graphs."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    targets = []
+
+    def record(gm, _):
+        targets.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return gm
+
+    torch._dynamo.reset()
+    leaves = [a.detach().clone().requires_grad_() for a in args]
+    out = torch.compile(fn, backend=aot_autograd(fw_compiler=record, bw_compiler=record))(*leaves)
+    grads = torch.autograd.grad((out * torch.linspace(-1, 1, out.numel()).reshape(out.shape)).sum(), leaves)
+    return out, grads, targets
+
+
+@pytest.mark.parametrize("which", ["shard-summary", "start-state-readout"])
+def test_compiled_tf32_products_stay_tf32(which):
+    """The CP shard summary's and the GDN shard correction's TF32 products compiled: every product is the
+    megahybrid::tf32_bmm op, forward and backward (traced, tf32_products' switch was dropped and the products ran
+    in full fp32 on the GPU), with eager's outputs and gradients."""
+    from megahybrid.model.cp import _Tf32StateReadout
+    from megahybrid_kernels.interdomain.s4d import _Tf32Sum
+
+    g = torch.Generator().manual_seed(1)
+    if which == "shard-summary":
+        fn, args = _Tf32Sum.apply, (torch.randn(40, 3, 8, generator=g), torch.randn(2, 40, 3, 5, generator=g))
+    else:
+        fn = _Tf32StateReadout.apply
+        args = (torch.randn(2, 40, 3, 8, generator=g), torch.randn(2, 3, 8, 5, generator=g))
+    out, grads, targets = _aten_targets_when_compiled(fn, args)
+    leaves = [a.detach().clone().requires_grad_() for a in args]
+    ref = fn(*leaves)
+    ref_grads = torch.autograd.grad((ref * torch.linspace(-1, 1, ref.numel()).reshape(ref.shape)).sum(), leaves)
+    assert targets.count("megahybrid.tf32_bmm.default") == 3, targets  # the product and both gradients
+    assert not [t for t in targets if t.startswith(("aten.mm", "aten.bmm"))], targets
+    for got, want in zip((out, *grads), (ref, *ref_grads)):
+        assert rel_rms_error(got, want) < COMPILED_TOL
