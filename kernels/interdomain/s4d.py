@@ -94,22 +94,21 @@ class _Tf32Sum(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, w, x):
-        ctx.save_for_backward(w, x)
-        B, T, H, D = x.shape
+        B, T, H, D = ctx.x_shape = x.shape
         x_HTN = x.permute(2, 1, 0, 3).reshape(H, T, B * D)  # N = (b, d): one product per head
+        ctx.save_for_backward(w, x_HTN)  # the backward's layout too: saved instead of x, not copied again
         return tf32_bmm(w.permute(1, 2, 0), x_HTN).reshape(H, -1, B, D).permute(2, 0, 1, 3)
 
     @staticmethod
     def backward(ctx, ds):
-        w, x = ctx.saved_tensors
-        B, T, H, D = x.shape
+        w, x_HTN = ctx.saved_tensors
+        B, T, H, D = ctx.x_shape
         dw = dx = None
         if ctx.needs_input_grad[0]:
-            x_HTN = x.permute(2, 1, 0, 3).reshape(H, T, B * D)
             dw = tf32_bmm(x_HTN, ds.permute(1, 0, 3, 2).reshape(H, B * D, -1)).permute(1, 0, 2)
         if ctx.needs_input_grad[1]:
             dx_HTN = tf32_bmm(w.permute(1, 0, 2), ds.permute(1, 2, 0, 3).reshape(H, -1, B * D))
-            dx = dx_HTN.reshape(H, T, B, D).permute(2, 1, 0, 3).to(x.dtype)
+            dx = dx_HTN.reshape(H, T, B, D).permute(2, 1, 0, 3).to(x_HTN.dtype)
         return dw, dx
 
 

@@ -156,22 +156,22 @@ class _Tf32StateReadout(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, s):
-        ctx.save_for_backward(x, s)
         B, T, H, K = x.shape
-        o = tf32_bmm(x.transpose(1, 2).reshape(B * H, T, K), s.reshape(B * H, K, -1))  # one product per (b, h)
-        return o.reshape(B, H, T, -1).transpose(1, 2)
+        x_NTK = x.transpose(1, 2).reshape(B * H, T, K)  # N = (b, h): one product per sequence and head
+        ctx.save_for_backward(x_NTK, s)  # the backward's layout too: saved instead of x, not copied again
+        return tf32_bmm(x_NTK, s.reshape(B * H, K, -1)).reshape(B, H, T, -1).transpose(1, 2)
 
     @staticmethod
     def backward(ctx, do):
-        x, s = ctx.saved_tensors
-        B, T, H, K = x.shape
-        do_NTV = do.transpose(1, 2).reshape(B * H, T, -1)
+        x_NTK, s = ctx.saved_tensors
+        (B, H), (N, T, K) = s.shape[:2], x_NTK.shape
+        do_NTV = do.transpose(1, 2).reshape(N, T, -1)
         dx = ds = None
         if ctx.needs_input_grad[0]:
-            dx = tf32_bmm(do_NTV, s.transpose(-1, -2).reshape(B * H, -1, K))
-            dx = dx.reshape(B, H, T, K).transpose(1, 2).to(x.dtype)
+            dx = tf32_bmm(do_NTV, s.transpose(-1, -2).reshape(N, -1, K))
+            dx = dx.reshape(B, H, T, K).transpose(1, 2).to(x_NTK.dtype)
         if ctx.needs_input_grad[1]:
-            ds = tf32_bmm(x.permute(0, 2, 3, 1).reshape(B * H, K, T), do_NTV).reshape(s.shape)
+            ds = tf32_bmm(x_NTK.transpose(1, 2), do_NTV).reshape(s.shape)
         return dx, ds
 
 
