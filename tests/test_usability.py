@@ -312,6 +312,18 @@ def test_kernel_times_add_kernels_whose_cut_names_agree():
     assert ranked == {"all kernels": 3.0, stem[:70]: 2.0, "_fwd_h_kernel": 1.0}
 
 
+def test_kernel_groups_split_a_step_profile_by_kind():
+    """bench_train --profile's kernel groups: each kernel in the first group its name matches, per step, with the
+    busy total; names are the GPU's (cuBLAS nvjet, cuDNN SDPA, inductor templates and fused kernels)."""
+    times_us = {"nvjet_tst_192x192_64x4_1x2_h_bz_coopA_NTN": 4000.0, "triton_tem_fused_mm_3": 1000.0,
+                "cudnn_generated_fort_native_sdpa_sm90_flash_fprop": 3000.0, "multi_tensor_apply_kernel": 400.0,
+                "triton_poi_fused_add_mul_0": 600.0, "Memcpy DtoD (Device -> Device)": 200.0,
+                "ncclDevKernel_AllReduce_Sum_bf16_RING_LL": 100.0, "_fwd_h_kernel": 700.0}
+    groups = _tool("benchutil").kernel_groups(times_us, steps=2)
+    assert groups == {"matmul_ms": 2.5, "attn_ms": 1.5, "optim_ms": 0.2, "comm_ms": 0.05, "copy_ms": 0.1,
+                      "fused_ms": 0.3, "other_ms": 0.35, "busy_ms": 5.0}
+
+
 def test_bench_mixers_summary_reads_the_current_results():
     """tools/bench_mixers.py --summary-only reads tools/results/<op>.json, the ops' current results."""
     mixers = _tool("bench_mixers")

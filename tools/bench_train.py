@@ -48,6 +48,9 @@ RECOMPUTE = {
 }
 COLUMNS = ["system", "preset", "recompute", "micro", "gas", "seq", "compile", "tok/s", "TFLOP/s", "MFU_989",
            "MFU_meas", "peak_GiB", "step_s", "warmup_s", "status", "commit", "gpu", "date"]  # where and when measured
+# --profile: the profiled steps' wall time, kernel groups per step (benchutil.KERNEL_GROUPS) and time no kernel ran
+PROFILE_COLUMNS = ["prof_step_ms", "busy_ms", "idle_ms", "matmul_ms", "attn_ms", "fused_ms", "optim_ms", "copy_ms",
+                   "comm_ms", "other_ms"]
 DEFAULT_ROWS = ["125m:none:8", "350m:none:8", "1.3b:none:4", "1.3b:selective_mlp:4", "1.3b:full:4"]
 # --suite mixers: every mixer in its issue's preset shape, at 4K and 16K (issue #20), 16 x 4096 tokens per step
 MIXER_SUITE = [f"{model}:none:{micro}:{seq}" for seq, scale in ((4096, 1), (16384, 4))
@@ -178,7 +181,7 @@ def run_child(row: dict, args) -> dict:
             step, cfg, compiled, gas = baseline_step(row, args)
         timing = measure(step, args.warmup, args.steps)
         if args.profile:
-            print_profile(step, args.profile, f"{row['system']} {row['preset']}")
+            timing.update(print_profile(step, args.profile, f"{row['system']} {row['preset']}"))
         shutdown()
     tok_s = args.tokens // row["seq"] * row["seq"] / timing["step_s"]
     tflops = flops_per_token(cfg) * tok_s / 1e12
@@ -186,21 +189,32 @@ def run_child(row: dict, args) -> dict:
             "MFU_989": tflops / DATASHEET_TFLOPS, **timing, "status": "ok"}
 
 
-def print_profile(step, top: int, title: str) -> None:
+def print_profile(step, top: int, title: str) -> dict:
     """Where the step's time goes: the `top` kernels by device time over two profiled steps (on stderr, which
-    the parent prints), so a missed target comes with its profile."""
+    the parent prints), so a missed target comes with its profile. Returns the kernel groups per step
+    (benchutil.kernel_groups) with the profiled step's wall time and `idle_ms`, the part no kernel ran."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-    with profile(activities=activities) as prof:
+    from benchutil import kernel_groups
+
+    cuda = torch.cuda.is_available()
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    sync()
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        start = time.perf_counter()
         for _ in range(2):
             step()
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-    sort = "cuda_time_total" if torch.cuda.is_available() else "cpu_time_total"
+        sync()
+        wall_ms = (time.perf_counter() - start) / 2 * 1e3
+    events = prof.key_averages()
+    sort = "device_time_total" if cuda else "self_cpu_time_total"
     print(f"profile of 2 steps: {title}", file=sys.stderr)
-    print(prof.key_averages().table(sort_by=sort, row_limit=top, max_name_column_width=70), file=sys.stderr)
+    print(events.table(sort_by=sort, row_limit=top, max_name_column_width=70), file=sys.stderr)
+    groups = kernel_groups({e.key: e.device_time_total if cuda else e.self_cpu_time_total for e in events}, 2)
+    groups.update(prof_step_ms=round(wall_ms, 2), idle_ms=round(wall_ms - groups["busy_ms"], 2))
+    print("kernel groups (ms per step): " + ", ".join(f"{k} {v}" for k, v in groups.items()), file=sys.stderr)
+    return groups
 
 
 def _child_env() -> dict:
@@ -282,7 +296,7 @@ def main(argv=None) -> int:
         timeout = min(left, args.row_timeout_s)
         result = run_row(row, _shared_argv(args), timeout) if left > 10 else {**row, "status": "skipped: budget"}
         result.update(commit=here, gpu=card, date=today)
-        done.append({column: result.get(column, "") for column in COLUMNS})
+        done.append({column: result.get(column, "") for column in COLUMNS + (PROFILE_COLUMNS if args.profile else [])})
         print(format_table([done[-1]]), flush=True)
         save_results(args.name, done, _meta(None), args.results_dir)
     fresh = [r for r in done if _row_key(r) not in earlier]  # kept rows keep the MFU of their own call's peak

@@ -102,6 +102,32 @@ def _ranked_ms(events, cuda: bool, iters: int, top: int) -> dict:
     return {"all kernels": round(sum(ranked.values()), 3), **{k: round(v, 3) for k, v in list(ranked.items())[:top]}}
 
 
+# Kernel groups of a step's profile, first match wins: cuBLAS (nvjet/gemm), inductor's matmul templates and the CPU
+# matmul ops; flash/cuDNN attention; the optimizer's fused and foreach kernels; collectives; copies and fills;
+# inductor's fused pointwise/reduction kernels; the rest (hand-written Triton, unfused aten kernels)
+KERNEL_GROUPS = (
+    ("matmul", r"nvjet|gemm|cutlass|xmma|cublas|triton_tem_|^aten::(mm|bmm|addmm|matmul|linear)$"),
+    ("attn", r"flash|fmha|sdpa|attention|cudnn"),
+    ("optim", r"adam|multi_tensor|foreach"),
+    ("comm", r"nccl|gloo|allreduce|all_reduce|reduce_scatter|all_gather"),
+    ("copy", r"memcpy|memset|copy|fill|cat_?array"),
+    ("fused", r"^triton_(poi|red|per)_"),
+)
+
+
+def kernel_groups(times_us: dict, steps: int) -> dict:
+    """Milliseconds per step of each KERNEL_GROUPS group (and `other`) from {kernel name: microseconds over
+    `steps` steps}, with `busy`, their sum: a step profile two systems can be compared by."""
+    import re
+
+    groups = {name: 0.0 for name, _ in KERNEL_GROUPS} | {"other": 0.0}
+    for kernel, us in times_us.items():
+        name = next((g for g, pattern in KERNEL_GROUPS if re.search(pattern, kernel, re.IGNORECASE)), "other")
+        groups[name] += us / steps / 1e3
+    groups["busy"] = sum(groups.values())
+    return {f"{name}_ms": round(ms, 2) for name, ms in groups.items()}
+
+
 def module_ms(model, fn, kinds: tuple[str, ...]) -> dict:
     """GPU milliseconds of one fn() spent inside the modules of `model` whose class name is in kinds, per class (a
     NatsLayer that selects is "NatsLayer-N"), with their count: CUDA events around each module's forward (hooks),
