@@ -104,7 +104,8 @@ if [ "$mode" = profile ]; then  # #15: where the step's time goes, megahybrid ag
   # kernels of two compiled steps of each system in $OUT/bench_train-profile.log
   timeout -k 5 575 python3 tools/bench_train.py --name bench_train-profile --budget-s 550 --row-timeout-s 300 \
     --profile 30 --rows ${PROFILE_ROWS:-350m:none:8} > "${OUT:-/tmp}/bench_train-profile.log" 2>&1
-  grep -v -i warn "${OUT:-/tmp}/bench_train-profile.log" | grep -E "^ *(megahybrid|baseline|system|kernel groups)" | tail -8
+  grep -v -i warn "${OUT:-/tmp}/bench_train-profile.log" |
+    grep -E "^ *(megahybrid|baseline|system|kernel groups)" | tail -8
   cp tools/results/bench_train-profile.* "${OUT:-/tmp}/"
 fi
 if [ "$mode" = gdn-probe ]; then  # #14: one change at a time to the GDN forward state kernel, each variant in its own
