@@ -103,8 +103,10 @@ fi
 if [ "$mode" = profile ]; then  # #15: where the step's time goes, megahybrid against the plain-PyTorch baseline
   # (PROFILE_ROWS, default 350m at 4K: 0.96x the baseline at abe769c; 1.3b:none:4 gave 1.00x at 513bef4), the top
   # kernels of two compiled steps of each system in $OUT/bench_train-profile.log
-  timeout -k 5 575 python3 tools/bench_train.py --name bench_train-profile --budget-s 550 --row-timeout-s 300 \
-    --profile 30 --rows ${PROFILE_ROWS:-350m:none:8} > "${OUT:-/tmp}/bench_train-profile.log" 2>&1
+  budget=${PROFILE_BUDGET_S:-550}  # a call given less device time: its rows' budget
+  timeout -k 5 $((budget + 25)) python3 tools/bench_train.py --name bench_train-profile --budget-s "$budget" \
+    --row-timeout-s $((budget < 300 ? budget : 300)) --profile 30 --rows ${PROFILE_ROWS:-350m:none:8} \
+    > "${OUT:-/tmp}/bench_train-profile.log" 2>&1
   grep -v -i warn "${OUT:-/tmp}/bench_train-profile.log" |
     grep -E "^ *(megahybrid|baseline|system|kernel groups)" | tail -8
   cp tools/results/bench_train-profile.* "${OUT:-/tmp}/"
