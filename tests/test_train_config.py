@@ -149,6 +149,18 @@ def test_bad_data_one_line(builtin, tmp_path):
         assert message in str(err.value) and "\n" not in str(err.value), str(err.value)
 
 
+def test_unknown_data_field_is_refused_before_the_builtin_corpus_is_built(tmp_path):
+    """A misspelt data key is one line before any data work: the built-in corpus (seconds to build on first use)
+    is not prepared first, and the known names include the section's own (synthetic, builtin_vocab_size)."""
+    from megahybrid.train.trainer import make_plan
+
+    fresh = tmp_path / "builtin"
+    cfg = load_config("demo", [f"data.builtin_dir={fresh}", "data.path=/x"])
+    with pytest.raises(UserError, match=r"data.path is not a known field; known: .*'synthetic'") as err:
+        make_plan(cfg, 1)
+    assert "\n" not in str(err.value) and not fresh.exists()
+
+
 def _write_empty_indexed(prefix: str) -> None:
     import numpy as np
     from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder

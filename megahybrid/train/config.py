@@ -335,6 +335,7 @@ def validate(cfg: RunConfig, world_size: int, has_gpu: bool, check_data: bool = 
     ds = load_deepspeed_config(cfg.train.deepspeed_config)
     resolved_compile(cfg, has_gpu, ds)
     _check_zero(ds, has_gpu)
+    check_data_fields(cfg)
     if check_data and not cfg.data.builtin and not cfg.data.synthetic:
         data_config(cfg).validate(model.seq_length, model.vocab_size)
     return model, layout, ds, precision
@@ -471,14 +472,20 @@ def _check_zero(ds: dict, has_gpu: bool) -> None:
         raise ConfigError("train.deepspeed_config: CPU offload needs a GPU (on CPU everything is already in host memory); use zero1/2/3")
 
 
+def check_data_fields(cfg: RunConfig) -> None:
+    """Unknown data-section names, refused before any data work (the built-in corpus takes seconds to build)."""
+    known = {f.name for f in dataclasses.fields(DataConfig)}
+    unknown = sorted(set(cfg.data.fields) - known)
+    if unknown:
+        own = {f.name for f in dataclasses.fields(DataSection)} - {"fields"}
+        raise ConfigError(f"data.{unknown[0]} is not a known field; known: {sorted(known | own)}")
+
+
 def data_config(cfg: RunConfig, builtin=None):
     """The data pipeline's DataConfig from our data section (built-in paths filled in when given)."""
     fields = dict(cfg.data.fields)
     fields.setdefault("seed", cfg.train.seed)
-    known = {f.name for f in dataclasses.fields(DataConfig)}
-    unknown = sorted(set(fields) - known)
-    if unknown:
-        raise ConfigError(f"data.{unknown[0]} is not a known field; known: {sorted(known | {'builtin', 'builtin_dir'})}")
+    check_data_fields(cfg)
     if builtin is not None:
         return builtin.data_config(**fields)
     for name in ("prefixes", "tokenizer_model"):
