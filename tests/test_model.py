@@ -33,6 +33,18 @@ def _build_tiny(rank, world):
     return sum(p.numel() for p in model.parameters()), count_parameters(cfg)
 
 
+def test_transformer_config_builds_without_warnings():
+    """Every model build (training, decoding, conversion) makes this config: megatron's own default
+    cuda_graph_scope="full" warned that it is deprecated each time (what `megahybrid generate` printed)."""
+    import warnings
+
+    from megahybrid.model.gpt import transformer_config
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert transformer_config(preset("tiny"), ParallelLayout.for_world(1)).cuda_graph_scope == []
+
+
 def test_pattern_tiles_layers():
     cfg = ModelConfig(num_layers=8, pattern="SSSS")
     assert cfg.layer_pattern == "S" * 8

@@ -58,6 +58,8 @@ def transformer_config(cfg: ModelConfig, layout: ParallelLayout, precision: str 
         bias_dropout_fusion=False,
         masked_softmax_fusion=False,
         apply_rope_fusion=False,
+        # megatron's own default "full" warns that it is deprecated on every config; [] is what it turns it into
+        cuda_graph_scope=[],
         persist_layer_norm=False,
         gradient_accumulation_fusion=False,
         **recompute_fields(cfg),
