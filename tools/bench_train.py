@@ -25,7 +25,9 @@ Rows are PRESET[@PATTERN][+KEY=VALUE...]:RECOMPUTE:MICRO[:SEQ] with KEY=VALUE mo
 train-section ones as train.KEY=VALUE (an option compared on and off in one table), RECOMPUTE one of none,
 selective, selective_mlp, full and SEQ the row's context (default --seq); every (preset, SEQ) also gets a baseline
 row at the micro-batch of its first row. Results: tools/results/NAME.{json,md} (--name, default bench_train; date,
-GPU and commit in the meta).
+GPU and commit in the meta). --profile N adds two profiled steps per row: the top N kernels (printed) and, as
+columns, the profiled step's wall time, its kernel time by group (matmul, attention, optimizer, collectives, copies,
+inductor-fused, other: benchutil.KERNEL_GROUPS) and idle_ms, the part of the step no kernel ran (host-bound time).
 """
 import argparse
 import datetime
