@@ -1,5 +1,7 @@
 """DeepSpeed ZeRO 1/2/3 x TP on gloo: every supported combination trains the tiny model to the same losses as
-one process with ZeRO-1, and unsupported ones fail at config time."""
+one process with ZeRO-1, and unsupported ones fail at config time. The runs clip (optimizer.grad_clip 0.5, below
+the tiny model's first gradient norms of 0.8-0.95): ZeRO-1/2 clip inside the optimizer step on the device,
+ZeRO-3 and `optimizer.clip_on_device=false` through DeepSpeed, and all must agree."""
 import pytest
 
 from tests.dist import run_on_ranks
@@ -16,7 +18,7 @@ def train_config(run_dir: str, data_dir: str, **overrides):
         "run_dir": run_dir, "model.vocab_size": 512, "data.builtin_dir": data_dir, "data.builtin_vocab_size": 512,
         "data.builtin_num_docs": 2000, "train.steps": STEPS, "optimizer.warmup_steps": 1, "eval.iters": 0,
         "logging.tensorboard": False, "checkpoint.interval": 1000, "batch.global_batch_size": 8,
-        "batch.micro_batch_size": 2, "train.deterministic": True,
+        "batch.micro_batch_size": 2, "train.deterministic": True, "optimizer.grad_clip": 0.5,
     }
     base.update(overrides)
     return load_config("demo", [f"{k}={v}" for k, v in base.items()])
@@ -50,10 +52,47 @@ def _single_process_checks(rank, world, root, data_dir):
     losses = _train_variants(rank, world, root, data_dir, SINGLE, keep_groups=True)
     nan = {stage: _nan_step_check(os.path.join(root, f"nan_{stage}"), data_dir, world, stage)
            for stage in ("zero1", "zero3")}
+    reads = _host_reads(os.path.join(root, "reads"), data_dir, world)
     from megahybrid.distributed import shutdown
 
     shutdown()
-    return losses, nan
+    return losses, nan, reads
+
+
+HOST_READS = ("item", "tolist", "__bool__", "__float__", "__int__", "cpu", "numpy")
+
+
+def _host_reads(run_dir, data_dir, world):
+    """Where a second ZeRO-1 step reads tensors on the host (each read waits for the device to drain): a list of
+    (method, innermost file:function) pairs."""
+    import os
+    import traceback
+
+    import torch
+
+    from megahybrid.train.trainer import Trainer, make_plan
+
+    trainer = Trainer(make_plan(train_config(run_dir, data_dir), world), resume=False)
+    batches = iter(trainer.loader)
+    trainer.train_step(batches)
+    reads, saved = [], {name: getattr(torch.Tensor, name) for name in HOST_READS}
+
+    def counted(name):
+        def read(self, *args, **kwargs):
+            frame = traceback.extract_stack()[-2]
+            reads.append((name, f"{os.path.basename(frame.filename)}:{frame.name}"))
+            return saved[name](self, *args, **kwargs)
+        return read
+
+    try:
+        for name in HOST_READS:
+            setattr(torch.Tensor, name, counted(name))
+        trainer.train_step(batches)
+    finally:
+        for name, method in saved.items():
+            setattr(torch.Tensor, name, method)
+    trainer.logger.close()
+    return reads
 
 
 def _nan_step_check(run_dir, data_dir, world, stage):
@@ -83,7 +122,8 @@ def _nan_step_check(run_dir, data_dir, world, stage):
                 moments_kept=moments_kept and len(moments) > 0, skipped=trainer.skipped)
 
 
-SINGLE = {"zero1": {}, "zero2": {"train.deepspeed_config": "zero2"}, "zero3": {"train.deepspeed_config": "zero3"}}
+SINGLE = {"zero1": {}, "zero2": {"train.deepspeed_config": "zero2"}, "zero3": {"train.deepspeed_config": "zero3"},
+          "zero1_host_clip": {"optimizer.clip_on_device": False}}
 TWO_RANKS = {
     "zero1_dp2": {}, "zero2_dp2": {"train.deepspeed_config": "zero2"}, "zero3_dp2": {"train.deepspeed_config": "zero3"},
     "zero1_tp2": {"parallel.tp": 2}, "zero2_tp2": {"parallel.tp": 2, "train.deepspeed_config": "zero2"},
@@ -106,7 +146,11 @@ def data_dir(tmp_path_factory):
 
 @pytest.mark.dist
 def test_zero_stages_and_tp_match_single_process(data_dir, tmp_path):
-    single, nan_checks = run_on_ranks(_single_process_checks, 1, str(tmp_path / "one"), data_dir)[0]
+    single, nan_checks, reads = run_on_ranks(_single_process_checks, 1, str(tmp_path / "one"), data_dir)[0]
+    # one read of ours (loss, skip, stop, norm together, once the step is queued) and, in fp32 only, DeepSpeed's
+    # overflow check (bf16 has none); DeepSpeed's clipping read the norm once per param group before
+    assert sorted(reads) == [("__bool__", "utils.py:is_invalid_grad_norm"),
+                             ("tolist", "trainer.py:_device_skipped_step")], reads
     for nan in nan_checks.values():
         assert nan["poisoned"]["skip"] and nan["poisoned"]["loss"] != nan["poisoned"]["loss"], nan
         assert nan["unchanged"] and nan["moments_kept"] and nan["skipped"] == 1, nan
@@ -118,3 +162,61 @@ def test_zero_stages_and_tp_match_single_process(data_dir, tmp_path):
     for rank_losses in run_on_ranks(_train_variants, 2, str(tmp_path / "two"), data_dir, TWO_RANKS):
         for name, losses in rank_losses.items():
             assert losses == pytest.approx(reference, rel=LOSS_TOL), f"{name}: {losses} vs {reference}"
+
+
+def _params(seed: int):
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    params = [torch.nn.Parameter(torch.randn(5, 3, generator=gen)), torch.nn.Parameter(torch.randn(7, generator=gen))]
+    for p in params:
+        p.grad = 3 * torch.randn(p.shape, generator=gen)
+    return params
+
+
+def _no_host_reads(step):
+    """Run step() with every host read of a tensor raising: the device path must not wait for the device."""
+    import torch
+
+    saved = {name: getattr(torch.Tensor, name) for name in HOST_READS}
+
+    def refuse(self, *args, **kwargs):
+        raise AssertionError("host read in the optimizer step")
+
+    try:
+        for name in HOST_READS:
+            setattr(torch.Tensor, name, refuse)
+        step()
+    finally:
+        for name, method in saved.items():
+            setattr(torch.Tensor, name, method)
+
+
+def test_device_clip_equals_zero_clipping_and_skips_without_host_reads():
+    import torch
+
+    from megahybrid.train.engine import SkippableAdamW
+
+    ref, ours = _params(0), _params(0)
+    norm = torch.linalg.vector_norm(torch.cat([p.grad.flatten() for p in ref]))
+    assert norm > 2.0  # so a max norm of 2 clips
+    for p in ref:  # DeepSpeed ZeRO's clip: grad / max(1, (norm + 1e-6) / max_norm)
+        p.grad /= max(1.0, (norm.item() + 1e-6) / 2.0)
+    reference = torch.optim.AdamW(ref, lr=0.1, weight_decay=0.1, fused=True)
+    optimizer = SkippableAdamW(ours, lr=0.1, weight_decay=0.1, fused=True)
+    optimizer.device_clip = (2.0, lambda: norm)
+    reference.step()
+    _no_host_reads(optimizer.step)
+    for a, b in zip(ref, ours):
+        torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-7)
+        assert not torch.equal(a, _params(0)[0 if a.dim() == 2 else 1]), "the step did not move the weights"
+
+    before = [p.detach().clone() for p in ours]
+    moments = [optimizer.state[p]["exp_avg"].clone() for p in ours]
+    for skip, bad_norm in ((torch.tensor(True), norm), (torch.tensor(False), torch.tensor(float("nan")))):
+        optimizer.skip_flag = skip
+        optimizer.device_clip = (2.0, lambda: bad_norm)
+        _no_host_reads(optimizer.step)
+        assert all(torch.equal(a, b) for a, b in zip(before, ours)), f"skip={skip} norm={bad_norm}: weights moved"
+        assert all(torch.equal(m, optimizer.state[p]["exp_avg"]) for m, p in zip(moments, ours))
+        assert all(optimizer.state[p]["step"].item() == 1 for p in ours)

@@ -321,7 +321,8 @@ def test_kernel_groups_split_a_step_profile_by_kind():
     busy total; names are the GPU's (cuBLAS nvjet, cuDNN SDPA, inductor templates and fused kernels)."""
     times_us = {"nvjet_tst_192x192_64x4_1x2_h_bz_coopA_NTN": 4000.0, "triton_tem_fused_mm_3": 1000.0,
                 "cudnn_generated_fort_native_sdpa_sm90_flash_fprop": 3000.0, "multi_tensor_apply_kernel": 400.0,
-                "triton_poi_fused_add_mul_0": 600.0, "Memcpy DtoD (Device -> Device)": 200.0,
+                "triton_poi_fused_add_mul_0": 500.0, "triton_poi_fused__to_copy_add_cat_cos_mul_1": 100.0,
+                "Memcpy DtoD (Device -> Device)": 200.0,
                 "ncclDevKernel_AllReduce_Sum_bf16_RING_LL": 100.0, "_fwd_h_kernel": 700.0}
     groups = _tool("benchutil").kernel_groups(times_us, steps=2)
     assert groups == {"matmul_ms": 2.5, "attn_ms": 1.5, "optim_ms": 0.2, "comm_ms": 0.05, "copy_ms": 0.1,
@@ -353,6 +354,9 @@ def test_bench_train_rows_carry_model_overrides_and_share_one_baseline():
     assert bench._preset_fields(rows[2]["preset"]) == {"preset": "125m", "pattern": "I",
                                                        "interdomain": {"fused_input": True}}
     assert bench._preset_fields("350m") == {"preset": "350m"}
+    sections = bench._row_sections("125m+optimizer.clip_on_device=false+train.compile_scope=layers")
+    assert sections == {"model": {"preset": "125m"}, "train": {"compile_scope": "layers"},
+                        "optimizer": {"clip_on_device": False}}
 
 
 def test_end_of_run_prints_each_mixer_layers_telemetry(capsys):

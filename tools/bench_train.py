@@ -92,7 +92,7 @@ def megahybrid_step(row: dict, args, run_dir: str):
         "model": {**_preset_fields(row["preset"]), "seq_length": row["seq"], **RECOMPUTE[row["recompute"]]},
         "data": {"synthetic": True},
         "batch": {"global_batch_size": args.tokens // row["seq"], "micro_batch_size": row["micro"]},
-        "optimizer": {"warmup_steps": 1},
+        "optimizer": {"warmup_steps": 1, **_row_sections(row["preset"])["optimizer"]},
         "train": {"steps": _total_steps(args), "compile": {"auto": "auto", "true": True, "all": True, "false": False}[
             args.compile], "compile_cache": "torch", **_train_fields(row["preset"])},
         "logging": {"tensorboard": False},
@@ -113,8 +113,8 @@ def _total_steps(args) -> int:
 
 
 def _preset_fields(spec: str) -> dict:
-    """`NAME[@PATTERN][+KEY=VALUE...]` as model-section fields (KEY relative to the model section; `train.` keys
-    go to the train section, _train_fields)."""
+    """`NAME[@PATTERN][+KEY=VALUE...]` as model-section fields (KEY relative to the model section; `train.` and
+    `optimizer.` keys go to those sections, _row_sections)."""
     return _row_sections(spec)["model"]
 
 
@@ -123,14 +123,17 @@ def _train_fields(spec: str) -> dict:
     return _row_sections(spec)["train"]
 
 
+ROW_SECTIONS = ("train", "optimizer")  # override prefixes a row spec may name; any other key is the model's
+
+
 def _row_sections(spec: str) -> dict:
     from megahybrid.train.config import apply_override
 
     head, *overrides = spec.split("+")
     name, _, pattern = head.partition("@")
-    raw = {"model": {"preset": name, **({"pattern": pattern} if pattern else {})}, "train": {}}
+    raw = {"model": {"preset": name, **({"pattern": pattern} if pattern else {})}, "train": {}, "optimizer": {}}
     for item in overrides:
-        apply_override(raw, item if item.startswith("train.") else f"model.{item}")
+        apply_override(raw, item if item.partition(".")[0] in ROW_SECTIONS else f"model.{item}")
     return raw
 
 

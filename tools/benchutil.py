@@ -110,8 +110,8 @@ KERNEL_GROUPS = (
     ("attn", r"flash|fmha|sdpa|attention|cudnn"),
     ("optim", r"adam|multi_tensor|foreach"),
     ("comm", r"nccl|gloo|allreduce|all_reduce|reduce_scatter|all_gather"),
+    ("fused", r"^triton_(poi|red|per)_"),  # before copy: inductor names kernels after their ops (`_to_copy`)
     ("copy", r"memcpy|memset|copy|fill|cat_?array"),
-    ("fused", r"^triton_(poi|red|per)_"),
 )
 
 

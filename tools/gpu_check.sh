@@ -2,7 +2,7 @@
 # The GPU checks a device session runs, each part fitting one call: every gpu-marked test (each kernel's backward
 # against the fp32 reference ON the GPU: Triton 3.6 on Hopper miscompiles some layouts silently), then the
 # Interdomain benchmark. Run from the repo root on the device machine with `.whl` carried:
-#   MEGAHYBRID_COMMIT=<hash> bash tools/gpu_check.sh [pending|keep-states|mix|s4d|s4d-pieces|s4d-train|prefill-seg|segments-train|scope|profile|mixers|gdn-probe|cp|kernels|stack|bench|paper|precision|recall|recall-diag|all]
+#   MEGAHYBRID_COMMIT=<hash> bash tools/gpu_check.sh [pending|keep-states|mix|s4d|s4d-pieces|s4d-train|prefill-seg|segments-train|scope|clip|profile|mixers|gdn-probe|cp|kernels|stack|bench|paper|precision|recall|recall-diag|all]
 # pending: the GPU tests of what changed since the last H200 run; kernels: tests/kernels (about 4 minutes); stack:
 # the other gpu tests, which train, export and decode models in subprocesses (about 5 minutes); all: both then
 # bench, more than one call's 10 minutes. The tests run in 14 processes (pytest-xdist, in the device image): one
@@ -100,16 +100,24 @@ if [ "$mode" = scope ]; then  # #15/#20: train.compile_scope=layers against the 
     grep -v -i warn | tail -8
   cp tools/results/bench_train-compile-scope.* "${OUT:-/tmp}/"
 fi
+if [ "$mode" = clip ]; then  # #15: optimizer.clip_on_device (the ZeRO-1/2 step reads the device once, where
+  # DeepSpeed's clipping read the norm once per param group and our skip decision once more), on and off at 125m and
+  # 350m, profiled as `profile` does (at f423cf7, before it, on an H100: 125m idle 33.6 ms of a 189 ms profiled step,
+  # the baseline 4.2 ms; 350m 52.5 against 6.0 ms)
+  PROFILE_ROWS=${PROFILE_ROWS:-"125m:none:8 125m+optimizer.clip_on_device=false:none:8 350m:none:8
+    350m+optimizer.clip_on_device=false:none:8"} PROFILE_NAME=bench_train-clip mode=profile
+fi
 if [ "$mode" = profile ]; then  # #15: where the step's time goes, megahybrid against the plain-PyTorch baseline
-  # (PROFILE_ROWS, default 350m at 4K: 0.96x the baseline at abe769c; 1.3b:none:4 gave 1.00x at 513bef4), the top
-  # kernels of two compiled steps of each system in $OUT/bench_train-profile.log
-  budget=${PROFILE_BUDGET_S:-550}  # a call given less device time: its rows' budget
-  timeout -k 5 $((budget + 25)) python3 tools/bench_train.py --name bench_train-profile --budget-s "$budget" \
+  # (PROFILE_ROWS, default 350m at 4K), the top kernels of two compiled steps of each system in $OUT/NAME.log; at
+  # f423cf7 on an H100 (bench_train-profile.md) megahybrid ran fewer kernel-ms than the baseline at 125m, 350m and
+  # 1.3b, and lost 0.93x / 0.98x / 1.01x to time no kernel ran
+  budget=${PROFILE_BUDGET_S:-550} name=${PROFILE_NAME:-bench_train-profile}  # budget: a call given less time
+  timeout -k 5 $((budget + 25)) python3 tools/bench_train.py --name "$name" --budget-s "$budget" \
     --row-timeout-s $((budget < 300 ? budget : 300)) --profile 30 --rows ${PROFILE_ROWS:-350m:none:8} \
-    > "${OUT:-/tmp}/bench_train-profile.log" 2>&1
-  grep -v -i warn "${OUT:-/tmp}/bench_train-profile.log" |
-    grep -E "^ *(megahybrid|baseline|system|kernel groups)" | tail -8
-  cp tools/results/bench_train-profile.* "${OUT:-/tmp}/"
+    > "${OUT:-/tmp}/$name.log" 2>&1
+  grep -v -i warn "${OUT:-/tmp}/$name.log" |
+    grep -E "^ *(megahybrid|baseline|system|kernel groups)" | tail -12
+  cp tools/results/"$name".* "${OUT:-/tmp}/"
 fi
 if [ "$mode" = gdn-probe ]; then  # #14: one change at a time to the GDN forward state kernel, each variant in its own
   # process, checked against the stock kernel and timed at the 128K prefill and training shapes (about 6 minutes)

@@ -75,6 +75,9 @@ class OptimizerSection:
     warmup_steps: int = 100
     schedule: str = "cosine"
     grad_clip: float = 1.0
+    # ZeRO-1/2: clip and skip non-finite steps inside the fused AdamW step on the device, without reading the
+    # gradient norm on the host (false: DeepSpeed clips, one host read per param group)
+    clip_on_device: bool = True
     # On resume the schedule saved in the checkpoint is kept (a larger train.steps continues at its end);
     # true replaces it with the one this config describes.
     reschedule: bool = False

@@ -79,16 +79,41 @@ def deepspeed_config(base: dict, cfg, layout, precision: str) -> dict:
 
 
 class SkippableAdamW(torch.optim.AdamW):
-    """torch AdamW whose steps can be cancelled. ZeRO reduces, clips and then calls this step on its fp32
-    partitions (once per param group); while `skipping` is set, weights and moments stay untouched and ZeRO
-    clears the gradients as usual. The trainer sets and clears the flag around one optimizer step."""
+    """torch AdamW whose steps can be cancelled. ZeRO reduces, (clips) and then calls this step on its fp32
+    partitions (once per param group). Two ways to cancel, weights and moments untouched either way:
+    - `skipping`, a host flag the trainer sets around one optimizer step;
+    - on the device, without a host read (`device_clip`, ZeRO-1/2 with the fused step): the step itself clips
+      by the global norm ZeRO computed, as ZeRO would, and hands the fused kernel `found_inf` (the trainer's
+      `skip_flag` or a non-finite norm), which makes it leave everything as it was. ZeRO's own clipping reads
+      the norm on the host once per param group, and each read idles the GPU while the host catches up
+      (tools/results/bench_train-profile.md)."""
 
     skipping = False
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.device_clip = None  # (max_norm, norm_fn): clip and skip here, norm_fn() the global norm (a tensor)
+        self.skip_flag = None  # a bool tensor on the device for the next step: true cancels it
 
     def step(self, closure=None):
         if self.skipping:
             return None
-        return super().step(closure)
+        if self.device_clip is None:
+            return super().step(closure)
+        max_norm, norm_fn = self.device_clip
+        norm = norm_fn()
+        grads = [p.grad for group in self.param_groups for p in group["params"] if p.grad is not None]
+        if max_norm > 0 and grads:
+            # ZeRO's formula: grad / max(1, (norm + 1e-6) / max_norm)
+            torch._foreach_div_(grads, torch.clamp((norm + 1e-6) / max_norm, min=1.0))
+        bad = ~torch.isfinite(norm)
+        if self.skip_flag is not None:
+            bad = bad | self.skip_flag
+        self.found_inf = bad.float()
+        try:
+            return super().step(closure)
+        finally:
+            self.found_inf = None
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
@@ -159,16 +184,29 @@ def set_lr(optimizer, lr: float) -> None:
 
 
 def build_engine(model, cfg, groups: Groups, ds_base: dict, precision: str):
-    """(engine, client optimizer) from DeepSpeed with our optimizer and mpu."""
+    """(engine, client optimizer, DeepSpeed config) from DeepSpeed with our optimizer and mpu."""
     import deepspeed  # seconds to import: only when an engine is built (config checks and tests of parts skip it)
 
     o = cfg.optimizer
     optimizer = SkippableAdamW(
-        param_groups(model, o.weight_decay), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
-        foreach=not torch.cuda.is_available(), fused=torch.cuda.is_available() or None,
-    )
+        param_groups(model, o.weight_decay), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, fused=True)
     ds = deepspeed_config(ds_base, cfg, groups.layout, precision)
+    device_clip = clips_on_device(ds, cfg)
+    if device_clip:
+        ds["gradient_clipping"] = 0.0  # the optimizer clips (SkippableAdamW.device_clip)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds, mpu=MegatronMPU(groups))
+    if device_clip:
+        optimizer.device_clip = (float(o.grad_clip), lambda: engine.optimizer._global_grad_norm)
     # DeepSpeed's own engine unpickles with weights_only=False; ours refuses files that name Python objects.
     engine.checkpoint_engine = safe_checkpoint_engine(engine._config)
     return engine, optimizer, ds
+
+
+def clips_on_device(ds: dict, cfg) -> bool:
+    """Whether the optimizer step clips and skips on the device (optimizer.clip_on_device): ZeRO-1/2 without
+    offload, whose step computes the global norm as a tensor before it calls ours (unless told not to). ZeRO-3 reads its norm on the
+    host in any case, and an offloaded step runs on CPU tensors, so both keep ZeRO's clipping."""
+    zero = ds.get("zero_optimization", {})
+    offload = any(zero.get(k, {}).get("device", "none") != "none" for k in ("offload_optimizer", "offload_param"))
+    return (cfg.optimizer.clip_on_device and zero.get("stage", 0) in (1, 2) and not offload
+            and zero.get("compute_grad_norm", True))

@@ -254,23 +254,40 @@ class Trainer:
         stop = loss_sum.new_full((), float(self.stop.requested))
         flags = torch.stack([loss_sum, (~torch.isfinite(loss_sum)).double(), stop])
         dist.all_reduce(flags)
-        # Our one host sync in the step (the skip decision; loss and stop flag come with it). DeepSpeed's ZeRO
-        # step adds its own (its gradient clipping reads the norm on the host).
+        if self.optimizer.device_clip is not None:
+            loss_total, nonfinite, stop, norm = self._device_skipped_step(flags)
+        else:
+            loss_total, nonfinite, stop, norm = self._host_skipped_step(flags)
+        # ZeRO drops the update itself when the global norm is inf/NaN; we count it like a non-finite loss.
+        skip = nonfinite > 0 or not math.isfinite(norm)
+        self.step += 1
+        self.skipped += int(skip)
+        self.consecutive_nonfinite = self.consecutive_nonfinite + 1 if skip else 0
+        return {"loss": loss_total / (self.gas * dist.get_world_size()), "lr": lr, "skip": skip,
+                "stop": stop > 0, "grad_norm": norm}
+
+    def _device_skipped_step(self, flags: torch.Tensor) -> list[float]:
+        """The optimizer step with the skip decision on the device, then the step's one host read (loss, the
+        non-finite count, stop flag, gradient norm), after all of its work is queued."""
+        self.optimizer.skip_flag = flags[1] > 0
+        try:
+            self.engine.step()
+        finally:
+            self.optimizer.skip_flag = None
+        norm = torch.as_tensor(self.engine.get_global_grad_norm(), dtype=torch.float64, device=flags.device)
+        return torch.cat([flags, norm.reshape(1)]).tolist()
+
+    def _host_skipped_step(self, flags: torch.Tensor) -> list[float]:
+        """ZeRO-3 and offload: the skip decision read on the host before the step (DeepSpeed's clipping reads the
+        norm there too)."""
         loss_total, nonfinite, stop = flags.tolist()
-        skip = nonfinite > 0
-        self.optimizer.skipping = skip
+        self.optimizer.skipping = nonfinite > 0
         try:
             self.engine.step()
         finally:
             self.optimizer.skipping = False
         norm = self.engine.get_global_grad_norm()
-        # ZeRO drops the update itself when the global norm is inf/NaN; we count it like a non-finite loss.
-        skip = skip or (norm is not None and not math.isfinite(float(norm)))
-        self.step += 1
-        self.skipped += int(skip)
-        self.consecutive_nonfinite = self.consecutive_nonfinite + 1 if skip else 0
-        return {"loss": loss_total / (self.gas * dist.get_world_size()), "lr": lr, "skip": skip,
-                "stop": stop > 0, "grad_norm": float(norm) if norm is not None else float("nan")}
+        return [loss_total, nonfinite, stop, float(norm) if norm is not None else float("nan")]
 
     def _loss(self, batch: dict) -> torch.Tensor:
         from megahybrid.model.gpt import lm_loss  # megatron: see __init__
