@@ -36,9 +36,10 @@ paper_plans() {  # LIMIT_S BUDGET_S PLAN...: the paper shapes at 4K and 16K once
 if [ "$mode" = pending ]; then  # every GPU test passed on the H200 (669598c; fla at 513bef4; the Interdomain kernels
   # at ea500e9; session 16's at c7dda94; session 17's at 6d2c00a: gpu-tests-2026-12-02.md row 22); tests/kernels at
   # 0056fcb on an H100 (row 30); the model tests with mix_in_input_dtype and the Interdomain kernel tests at a34a4dc
-  # on the H200 (rows 31-32). Pending: the TF32 products as the megahybrid::tf32_bmm op (7917ffe), the CP shard
-  # summary and the start-state readout in bf16 on TF32 against fp32 (about a minute)
-  run_tests tf32 tests/kernels/test_s4d.py tests/kernels/test_custom_ops.py tests/test_context_parallel.py
+  # on the H200 (rows 31-32); the TF32 op's at f423cf7 on an H100 (row 37). Pending: the training steps with
+  # optimizer.clip_on_device (dac7ee7: in bf16 only our device flag cancels a NaN step), every mixer eager and
+  # compiled and the clip/skip against DeepSpeed's (about 3 minutes)
+  run_tests train tests/test_train_gpu.py
 fi
 if [ "$mode" = s4d ]; then  # #12: the chunked S4D contraction, D's default since it ran 1.9x the FFT compiled (1440cd6,
   # session 21, tests 11 passed): its GPU tests, then FFT against chunks of 32 and 64 tokens, eager and compiled,
