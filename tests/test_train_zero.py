@@ -2,6 +2,8 @@
 one process with ZeRO-1, and unsupported ones fail at config time. The runs clip (optimizer.grad_clip 0.5, below
 the tiny model's first gradient norms of 0.8-0.95): ZeRO-1/2 clip inside the optimizer step on the device,
 ZeRO-3 and `optimizer.clip_on_device=false` through DeepSpeed, and all must agree."""
+import contextlib
+
 import pytest
 
 from tests.dist import run_on_ranks
@@ -62,35 +64,47 @@ def _single_process_checks(rank, world, root, data_dir):
 HOST_READS = ("item", "tolist", "__bool__", "__float__", "__int__", "cpu", "numpy")
 
 
+@contextlib.contextmanager
+def host_reads_call(on_read):
+    """Inside the block, every host read of a tensor (HOST_READS) first calls on_read(method name), then reads."""
+    import torch
+
+    saved = {name: getattr(torch.Tensor, name) for name in HOST_READS}
+
+    def patched(name):
+        def read(self, *args, **kwargs):
+            on_read(name)
+            return saved[name](self, *args, **kwargs)
+        return read
+
+    try:
+        for name in HOST_READS:
+            setattr(torch.Tensor, name, patched(name))
+        yield
+    finally:
+        for name, method in saved.items():
+            setattr(torch.Tensor, name, method)
+
+
 def _host_reads(run_dir, data_dir, world):
     """Where a second ZeRO-1 step reads tensors on the host (each read waits for the device to drain): a list of
     (method, innermost file:function) pairs."""
     import os
     import traceback
 
-    import torch
-
     from megahybrid.train.trainer import Trainer, make_plan
 
     trainer = Trainer(make_plan(train_config(run_dir, data_dir), world), resume=False)
     batches = iter(trainer.loader)
     trainer.train_step(batches)
-    reads, saved = [], {name: getattr(torch.Tensor, name) for name in HOST_READS}
+    reads = []
 
-    def counted(name):
-        def read(self, *args, **kwargs):
-            frame = traceback.extract_stack()[-2]
-            reads.append((name, f"{os.path.basename(frame.filename)}:{frame.name}"))
-            return saved[name](self, *args, **kwargs)
-        return read
+    def record(name):
+        frame = traceback.extract_stack()[-3]  # the caller of the patched method
+        reads.append((name, f"{os.path.basename(frame.filename)}:{frame.name}"))
 
-    try:
-        for name in HOST_READS:
-            setattr(torch.Tensor, name, counted(name))
+    with host_reads_call(record):
         trainer.train_step(batches)
-    finally:
-        for name, method in saved.items():
-            setattr(torch.Tensor, name, method)
     trainer.logger.close()
     return reads
 
@@ -176,20 +190,11 @@ def _params(seed: int):
 
 def _no_host_reads(step):
     """Run step() with every host read of a tensor raising: the device path must not wait for the device."""
-    import torch
+    def refuse(name):
+        raise AssertionError(f"host read ({name}) in the optimizer step")
 
-    saved = {name: getattr(torch.Tensor, name) for name in HOST_READS}
-
-    def refuse(self, *args, **kwargs):
-        raise AssertionError("host read in the optimizer step")
-
-    try:
-        for name in HOST_READS:
-            setattr(torch.Tensor, name, refuse)
+    with host_reads_call(refuse):
         step()
-    finally:
-        for name, method in saved.items():
-            setattr(torch.Tensor, name, method)
 
 
 def test_device_clip_equals_zero_clipping_and_skips_without_host_reads():

@@ -86,15 +86,16 @@ def megahybrid_step(row: dict, args, run_dir: str):
     from megahybrid.train.config import from_dict
     from megahybrid.train.trainer import Trainer, make_plan
 
+    sections = _row_sections(row["preset"])
     # compile_cache torch: each row's warm-up as the suites measured it (the run directory here is temporary)
     cfg = from_dict({
         "run_dir": run_dir,
-        "model": {**_preset_fields(row["preset"]), "seq_length": row["seq"], **RECOMPUTE[row["recompute"]]},
+        "model": {**sections["model"], "seq_length": row["seq"], **RECOMPUTE[row["recompute"]]},
         "data": {"synthetic": True},
         "batch": {"global_batch_size": args.tokens // row["seq"], "micro_batch_size": row["micro"]},
-        "optimizer": {"warmup_steps": 1, **_row_sections(row["preset"])["optimizer"]},
+        "optimizer": {"warmup_steps": 1, **sections["optimizer"]},
         "train": {"steps": _total_steps(args), "compile": {"auto": "auto", "true": True, "all": True, "false": False}[
-            args.compile], "compile_cache": "torch", **_train_fields(row["preset"])},
+            args.compile], "compile_cache": "torch", **sections["train"]},
         "logging": {"tensorboard": False},
         "eval": {"iters": 0},
     })
@@ -118,15 +119,12 @@ def _preset_fields(spec: str) -> dict:
     return _row_sections(spec)["model"]
 
 
-def _train_fields(spec: str) -> dict:
-    """The `+train.KEY=VALUE` overrides of a row spec as train-section fields (`+train.compile_scope=layers`)."""
-    return _row_sections(spec)["train"]
-
-
 ROW_SECTIONS = ("train", "optimizer")  # override prefixes a row spec may name; any other key is the model's
 
 
 def _row_sections(spec: str) -> dict:
+    """A row spec's sections: `+train.compile_scope=layers` and `+optimizer.clip_on_device=false` go to their
+    sections, any other `+KEY=VALUE` to the model's."""
     from megahybrid.train.config import apply_override
 
     head, *overrides = spec.split("+")

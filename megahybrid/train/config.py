@@ -465,13 +465,17 @@ def zero_stage(ds: dict) -> int:
     return int(ds.get("zero_optimization", {}).get("stage", 0))
 
 
+def zero_offload(ds: dict) -> bool:
+    """Whether the DeepSpeed config offloads optimizer state or parameters to the CPU."""
+    zero = ds.get("zero_optimization", {})
+    return any(zero.get(key, {}).get("device", "none") != "none" for key in ("offload_optimizer", "offload_param"))
+
+
 def _check_zero(ds: dict, has_gpu: bool) -> None:
     stage = zero_stage(ds)
-    zero = ds.get("zero_optimization", {})
     if stage not in (1, 2, 3):
         raise ConfigError(f"train.deepspeed_config: zero_optimization.stage={stage}; use 1, 2 or 3")
-    offload = any(zero.get(key, {}).get("device", "none") != "none" for key in ("offload_optimizer", "offload_param"))
-    if offload and not has_gpu:
+    if zero_offload(ds) and not has_gpu:
         raise ConfigError("train.deepspeed_config: CPU offload needs a GPU (on CPU everything is already in host memory); use zero1/2/3")
 
 

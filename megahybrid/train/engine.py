@@ -9,6 +9,7 @@ import torch.distributed as dist
 
 from megahybrid.distributed import Groups
 from megahybrid.train.checkpoint import safe_checkpoint_engine
+from megahybrid.train.config import zero_offload, zero_stage
 
 
 class MegatronMPU:
@@ -204,9 +205,7 @@ def build_engine(model, cfg, groups: Groups, ds_base: dict, precision: str):
 
 def clips_on_device(ds: dict, cfg) -> bool:
     """Whether the optimizer step clips and skips on the device (optimizer.clip_on_device): ZeRO-1/2 without
-    offload, whose step computes the global norm as a tensor before it calls ours (unless told not to). ZeRO-3 reads its norm on the
-    host in any case, and an offloaded step runs on CPU tensors, so both keep ZeRO's clipping."""
-    zero = ds.get("zero_optimization", {})
-    offload = any(zero.get(k, {}).get("device", "none") != "none" for k in ("offload_optimizer", "offload_param"))
-    return (cfg.optimizer.clip_on_device and zero.get("stage", 0) in (1, 2) and not offload
-            and zero.get("compute_grad_norm", True))
+    offload, whose step computes the global norm as a tensor before it calls ours (unless told not to). ZeRO-3
+    reads its norm on the host in any case, and an offloaded step runs on CPU tensors: both keep ZeRO's clipping."""
+    return (cfg.optimizer.clip_on_device and zero_stage(ds) in (1, 2) and not zero_offload(ds)
+            and ds.get("zero_optimization", {}).get("compute_grad_norm", True))

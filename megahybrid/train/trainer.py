@@ -258,7 +258,7 @@ class Trainer:
             loss_total, nonfinite, stop, norm = self._device_skipped_step(flags)
         else:
             loss_total, nonfinite, stop, norm = self._host_skipped_step(flags)
-        # ZeRO drops the update itself when the global norm is inf/NaN; we count it like a non-finite loss.
+        # A non-finite global norm cancels the update (our found_inf or ZeRO's own check); counted as a skip.
         skip = nonfinite > 0 or not math.isfinite(norm)
         self.step += 1
         self.skipped += int(skip)
