@@ -38,8 +38,8 @@ if [ "$mode" = pending ]; then  # every GPU test passed on the H200 (669598c; fl
   # 0056fcb on an H100 (row 30); the model tests with mix_in_input_dtype and the Interdomain kernel tests at a34a4dc
   # on the H200 (rows 31-32); the TF32 op's at f423cf7 on an H100 (row 37). Pending: the training steps with
   # optimizer.clip_on_device (dac7ee7: in bf16 only our device flag cancels a NaN step), every mixer eager and
-  # compiled and the clip/skip against DeepSpeed's (about 3 minutes)
-  run_tests train tests/test_train_gpu.py
+  # compiled and the clip/skip against DeepSpeed's; the cross entropy that saves the logits (about 3 minutes)
+  run_tests train tests/test_train_gpu.py tests/test_loss.py
 fi
 if [ "$mode" = s4d ]; then  # #12: the chunked S4D contraction, D's default since it ran 1.9x the FFT compiled (1440cd6,
   # session 21, tests 11 passed): its GPU tests, then FFT against chunks of 32 and 64 tokens, eager and compiled,

@@ -14,6 +14,7 @@ from megatron.core.transformer import TransformerConfig
 from megahybrid.distributed import context_parallel_group, device
 from megahybrid.model.config import ModelConfig
 from megahybrid.model.cp import ContiguousShardRotary
+from megahybrid.model.loss import vocab_parallel_cross_entropy
 from megahybrid.model.mixers import check_context_parallel, max_chunk_size
 from megahybrid.model.specs import block_spec
 from megahybrid.parallel import ParallelLayout
@@ -98,12 +99,21 @@ def _recomputed(forward):
     return run
 
 
+class DecoderLM(GPTModel):
+    """megatron-core's GPTModel with the cross entropy of megahybrid.model.loss (it saves the logits, not their
+    fp32 softmax, for the backward)."""
+
+    def compute_language_model_loss(self, labels: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        loss_SB = vocab_parallel_cross_entropy(logits, labels.transpose(0, 1).contiguous(), self.pg_collection.tp)
+        return loss_SB.transpose(0, 1).contiguous()
+
+
 def build_model(cfg: ModelConfig, layout: ParallelLayout, precision: str = "fp32", initialize: bool = True) -> GPTModel:
     """The decoder for this rank's shard, on the current device. forward(tokens, labels) -> per-token loss [b, s].
     `initialize=False` leaves the weights uninitialized (fast) for callers that load them right after."""
     layout.check_model(cfg.num_heads, cfg.kv_heads, cfg.seq_length, max_chunk_size(cfg.pattern))
     check_context_parallel(cfg.pattern, layout.cp)
-    model = GPTModel(
+    model = DecoderLM(
         config=transformer_config(cfg, layout, precision, initialize),
         transformer_layer_spec=block_spec(cfg),
         vocab_size=cfg.vocab_size,
