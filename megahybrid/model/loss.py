@@ -21,12 +21,13 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         local_SB = target_SB - start
         inside_SB = (local_SB >= 0) & (local_SB < vocab)
         local_SB = local_SB.clamp(0, vocab - 1)
-        logits_f = logits_SBV.float()
-        max_SB = logits_f.amax(-1)
+        # One fp32 temporary of the logits' size in eager mode (the difference, exponentiated in place): max and
+        # gather are exact in the logits' own dtype, and a 16-bit tensor minus an fp32 one is formed in fp32.
+        max_SB = logits_SBV.amax(-1).float()
         if parallel:
             dist.all_reduce(max_SB, dist.ReduceOp.MAX, group=group)
-        sum_exp_SB = torch.exp(logits_f - max_SB[..., None]).sum(-1)
-        target_logit_SB = logits_f.gather(-1, local_SB[..., None]).squeeze(-1) * inside_SB
+        sum_exp_SB = (logits_SBV - max_SB[..., None]).exp_().sum(-1)
+        target_logit_SB = logits_SBV.gather(-1, local_SB[..., None]).squeeze(-1).float() * inside_SB
         if parallel:
             dist.all_reduce(sum_exp_SB, group=group)
             dist.all_reduce(target_logit_SB, group=group)
@@ -37,7 +38,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_SB):
         logits_SBV, lse_SB, local_SB, inside_SB = ctx.saved_tensors
-        grad_SBV = torch.exp(logits_SBV.float() - lse_SB[..., None])
+        grad_SBV = (logits_SBV - lse_SB[..., None]).exp_()
         grad_SBV.scatter_add_(-1, local_SB[..., None], -inside_SB[..., None].float())
         grad_SBV.mul_(grad_SB[..., None])
         return grad_SBV.to(logits_SBV.dtype), None, None, None
