@@ -168,6 +168,20 @@ def test_loader_dp_ranks_disjoint_and_complete():
     assert [int(x) for b in with_workers for x in b["tokens"][:, 0]] == seen[1]
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none found)")
+@pytest.mark.parametrize("workers", [0, 2])
+def test_loader_pins_batches_for_the_gpu(workers):
+    """train_loader asks for pinned batches when a GPU is there: same batches, in page-locked memory."""
+    dataset = _IndexDataset(100)
+    plain = list(MicroBatchLoader(dataset, 12, 3, num_workers=workers))
+    pinned = list(MicroBatchLoader(dataset, 12, 3, num_workers=workers, pin_memory=True))
+    assert len(pinned) == len(plain) > 0
+    for got, want in zip(pinned, plain):
+        assert all(v.is_pinned() for v in got.values()) and not any(v.is_pinned() for v in want.values())
+        assert all(torch.equal(got[k], want[k]) for k in want)
+
+
 def _empty_prefix(root) -> str:
     from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 

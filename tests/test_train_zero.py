@@ -55,10 +55,11 @@ def _single_process_checks(rank, world, root, data_dir):
     nan = {stage: _nan_step_check(os.path.join(root, f"nan_{stage}"), data_dir, world, stage)
            for stage in ("zero1", "zero3")}
     reads = _host_reads(os.path.join(root, "reads"), data_dir, world)
+    order = _run_order(os.path.join(root, "order"), data_dir, world)
     from megahybrid.distributed import shutdown
 
     shutdown()
-    return losses, nan, reads
+    return losses, nan, reads, order
 
 
 HOST_READS = ("item", "tolist", "__bool__", "__float__", "__int__", "cpu", "numpy")
@@ -87,8 +88,8 @@ def host_reads_call(on_read):
 
 
 def _host_reads(run_dir, data_dir, world):
-    """Where a second ZeRO-1 step reads tensors on the host (each read waits for the device to drain): a list of
-    (method, innermost file:function) pairs."""
+    """Where a second ZeRO-1 step reads tensors on the host (each read waits for the device to drain): lists of
+    (method, innermost file:function) pairs while the step is queued and while it is read."""
     import os
     import traceback
 
@@ -104,9 +105,40 @@ def _host_reads(run_dir, data_dir, world):
         reads.append((name, f"{os.path.basename(frame.filename)}:{frame.name}"))
 
     with host_reads_call(record):
-        trainer.train_step(batches)
+        queued = trainer.queue_step(batches)
+    queue_reads, reads = reads, []
+    with host_reads_call(record):
+        trainer.conclude(queued)
     trainer.logger.close()
-    return reads
+    return queue_reads, reads
+
+
+def _run_order(run_dir, data_dir, world):
+    """`megahybrid train`'s loop (Trainer.run) over 6 steps, console line every 3rd, a NaN loss at step 4: the
+    order in which steps are queued (q) and read (r), and the steps and skip counts it logged."""
+    import json
+    import os
+
+    from megahybrid.train.trainer import Trainer, make_plan
+
+    cfg = train_config(run_dir, data_dir, **{"train.steps": 6, "logging.interval": 3, "debug.nan_loss_steps": "[4]"})
+    trainer = Trainer(make_plan(cfg, world), resume=False)
+    events, queue, conclude = [], trainer.queue_step, trainer.conclude
+
+    def queued(batches):
+        step = queue(batches)
+        events.append(f"q{step.step}")
+        return step
+
+    def read(step):
+        events.append(f"r{step.step}")
+        return conclude(step)
+
+    trainer.queue_step, trainer.conclude = queued, read
+    code = trainer.run()
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        logged = [(r["step"], r["train/skipped_steps"]) for r in map(json.loads, f) if "train/loss" in r]
+    return code, events, logged
 
 
 def _nan_step_check(run_dir, data_dir, world, stage):
@@ -160,11 +192,18 @@ def data_dir(tmp_path_factory):
 
 @pytest.mark.dist
 def test_zero_stages_and_tp_match_single_process(data_dir, tmp_path):
-    single, nan_checks, reads = run_on_ranks(_single_process_checks, 1, str(tmp_path / "one"), data_dir)[0]
-    # one read of ours (loss, skip, stop, norm together, once the step is queued) and, in fp32 only, DeepSpeed's
-    # overflow check (bf16 has none); DeepSpeed's clipping read the norm once per param group before
-    assert sorted(reads) == [("__bool__", "utils.py:is_invalid_grad_norm"),
-                             ("tolist", "trainer.py:_device_skipped_step")], reads
+    single, nan_checks, reads, order = run_on_ranks(_single_process_checks, 1, str(tmp_path / "one"), data_dir)[0]
+    # Each step is read after the next one is queued, except where host work follows it (the console line at
+    # steps 3 and 6, the last step) and after a skipped step (the non-finite stop is decided at once)
+    code, events, logged = order
+    assert code == 0 and events == "q1 q2 r1 q3 r2 r3 q4 q5 r4 r5 q6 r6".split(), events
+    assert logged == [(1, 0), (2, 0), (3, 0), (4, 1), (5, 1), (6, 1)], logged
+    # queueing the step reads only DeepSpeed's overflow check, in fp32 (bf16 has none; DeepSpeed's clipping read
+    # the norm once per param group before); ours is one read (loss, skip, stop, norm), which `run` makes after
+    # the next step is queued
+    queue_reads, conclude_reads = reads
+    assert queue_reads == [("__bool__", "utils.py:is_invalid_grad_norm")], queue_reads
+    assert conclude_reads == [("tolist", "trainer.py:conclude")], conclude_reads
     for nan in nan_checks.values():
         assert nan["poisoned"]["skip"] and nan["poisoned"]["loss"] != nan["poisoned"]["loss"], nan
         assert nan["unchanged"] and nan["moments_kept"] and nan["skipped"] == 1, nan

@@ -1,8 +1,9 @@
 """Training throughput of `megahybrid train`'s own step against a plain-PyTorch Llama of the same shape.
 
 Each row runs in its own process (a clean GPU, one compile cache per model) on random tokens:
-  megahybrid  Trainer.train_step of `megahybrid train` (DeepSpeed ZeRO-1, fp32 master weights, bf16 on a GPU,
-              data.synthetic=true, train.compile=auto), with the row's model.recompute setting;
+  megahybrid  `megahybrid train`'s step (Trainer.queue_step, each step read after the next is queued, as the
+              training loop does), DeepSpeed ZeRO-1, fp32 master weights, bf16 on a GPU, data.synthetic=true,
+              train.compile=auto, with the row's model.recompute setting;
   baseline    tools/llama_baseline.py: fp32 weights under bf16 autocast, SDPA, fused AdamW, clipping, torch.compile.
 Both take `--tokens` tokens per optimizer step (micro-batch x accumulation). `--warmup` steps (which include
 torch.compile's compilation) run before the timed window and are reported separately as warmup_s; the window
@@ -106,7 +107,19 @@ def megahybrid_step(row: dict, args, run_dir: str):
     trainer = Trainer(make_plan(cfg, 1))
     batches = iter(trainer.loader)
     compiled = "all" if args.compile == "all" else trainer.compiled
-    return (lambda: trainer.train_step(batches)), trainer.plan.model, compiled, trainer.gas
+    return _read_one_late(trainer, batches), trainer.plan.model, compiled, trainer.gas
+
+
+def _read_one_late(trainer, batches):
+    """A step as `megahybrid train` runs one between logging intervals: queued, then the previous step read."""
+    pending = []
+
+    def step():
+        pending.append(trainer.queue_step(batches))
+        if len(pending) > 1:
+            trainer.conclude(pending.pop(0))
+
+    return step
 
 
 def _total_steps(args) -> int:

@@ -38,8 +38,9 @@ if [ "$mode" = pending ]; then  # every GPU test passed on the H200 (669598c; fl
   # 0056fcb on an H100 (row 30); the model tests with mix_in_input_dtype and the Interdomain kernel tests at a34a4dc
   # on the H200 (rows 31-32); the TF32 op's at f423cf7 on an H100 (row 37). Pending: the training steps with
   # optimizer.clip_on_device (dac7ee7: in bf16 only our device flag cancels a NaN step), every mixer eager and
-  # compiled and the clip/skip against DeepSpeed's; the cross entropy that saves the logits (about 3 minutes)
-  run_tests train tests/test_train_gpu.py tests/test_loss.py
+  # compiled and the clip/skip against DeepSpeed's; the cross entropy that saves the logits; pinned batches
+  # (about 3 minutes)
+  run_tests train tests/test_train_gpu.py tests/test_loss.py tests/test_data.py
 fi
 if [ "$mode" = s4d ]; then  # #12: the chunked S4D contraction, D's default since it ran 1.9x the FFT compiled (1440cd6,
   # session 21, tests 11 passed): its GPU tests, then FFT against chunks of 32 and 64 tokens, eager and compiled,
@@ -104,7 +105,8 @@ fi
 if [ "$mode" = clip ]; then  # #15: optimizer.clip_on_device (the ZeRO-1/2 step reads the device once, where
   # DeepSpeed's clipping read the norm once per param group and our skip decision once more), on and off at 125m and
   # 350m, profiled as `profile` does (at f423cf7, before it, on an H100: 125m idle 33.6 ms of a 189 ms profiled step,
-  # the baseline 4.2 ms; 350m 52.5 against 6.0 ms)
+  # the baseline 4.2 ms; 350m 52.5 against 6.0 ms); since then each step is also read one step late (the training
+  # loop's order, which bench_train follows) and the cross entropy keeps the logits, not the fp32 softmax
   PROFILE_ROWS=${PROFILE_ROWS:-"125m:none:8 125m+optimizer.clip_on_device=false:none:8 350m:none:8
     350m+optimizer.clip_on_device=false:none:8"} PROFILE_NAME=bench_train-clip mode=profile
 fi

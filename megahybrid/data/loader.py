@@ -21,6 +21,9 @@ class MicroBatchLoader:
     dataset: map-style, `len()` samples, each a dict with "tokens", "labels", "loss_mask" tensors [s].
     global_batch_size: samples per optimizer step over all DP ranks; a multiple of micro_batch_size * dp_size.
     num_workers: DataLoader processes that prefetch reads; order and content do not depend on it.
+    pin_memory: batches in page-locked memory (for a GPU: a copy to the device from pageable memory is staged by
+    the driver, which may first wait for the device's queue to drain; from pinned memory a non_blocking copy is
+    queued like a kernel).
     Iteration stops before the first global batch that does not fit entirely in the dataset.
     """
 
@@ -33,6 +36,7 @@ class MicroBatchLoader:
         dp_size: int = 1,
         consumed_samples: int = 0,
         num_workers: int = 0,
+        pin_memory: bool = False,
     ):
         if micro_batch_size < 1 or dp_size < 1 or not 0 <= dp_rank < dp_size:
             raise DataError(
@@ -48,7 +52,7 @@ class MicroBatchLoader:
         self.global_batch_size = global_batch_size
         self.micro_batch_size = micro_batch_size
         self.dp_rank, self.dp_size = dp_rank, dp_size
-        self.num_workers = num_workers
+        self.num_workers, self.pin_memory = num_workers, pin_memory
         self.consumed_samples = 0
         self._set_position(consumed_samples)
 
@@ -88,10 +92,13 @@ class MicroBatchLoader:
 
     def _read(self, index_lists: list[list[int]]) -> Iterator[Batch]:
         if self.num_workers == 0:
-            yield from (collate([self.dataset[i] for i in indices]) for indices in index_lists)
+            for indices in index_lists:
+                batch = collate([self.dataset[i] for i in indices])
+                yield {k: v.pin_memory() for k, v in batch.items()} if self.pin_memory else batch
             return
         loader = torch.utils.data.DataLoader(
-            self.dataset, batch_sampler=index_lists, num_workers=self.num_workers, collate_fn=collate
+            self.dataset, batch_sampler=index_lists, num_workers=self.num_workers, collate_fn=collate,
+            pin_memory=self.pin_memory,
         )
         yield from loader
 

@@ -65,7 +65,8 @@ def build_splits(cfg: RunConfig, data, seq_length: int):
 
 def train_loader(cfg: RunConfig, dataset, groups, consumed_samples: int, num_workers: int) -> MicroBatchLoader:
     return MicroBatchLoader(dataset, cfg.batch.global_batch_size, cfg.batch.micro_batch_size, groups.dp_rank,
-                            groups.layout.dp, consumed_samples=consumed_samples, num_workers=num_workers)
+                            groups.layout.dp, consumed_samples=consumed_samples, num_workers=num_workers,
+                            pin_memory=torch.cuda.is_available())
 
 
 def valid_loader(cfg: RunConfig, dataset, groups) -> MicroBatchLoader:

@@ -43,6 +43,18 @@ EXIT_OK, EXIT_CRASH, EXIT_NONFINITE = 0, 1, 4
 
 
 @dataclass
+class QueuedStep:
+    """A step whose work is queued: its number, learning rate, the samples consumed through it and [loss sum,
+    non-finite count, stop flag, gradient norm], a device tensor until Trainer.conclude reads it (host floats where
+    the step had to read them itself)."""
+
+    step: int
+    lr: float
+    consumed_samples: int
+    values: torch.Tensor | list
+
+
+@dataclass
 class Plan:
     """Everything decided before a process group exists."""
 
@@ -235,11 +247,15 @@ class Trainer:
         return self.ckpt.save(self.engine, self.step, self.trainer_state(), self.cfg.to_yaml())
 
     def train_step(self, batches) -> dict:
-        """One optimizer step over `gas` micro-batches; a non-finite loss on any rank skips the update."""
+        """One step, read at once (tests and tools); `run` reads each step after queueing the next."""
+        return self.conclude(self.queue_step(batches))
+
+    def queue_step(self, batches) -> QueuedStep:
+        """One optimizer step over `gas` micro-batches, queued on the device; a non-finite loss on any rank skips
+        the update. Under ZeRO-1/2 with optimizer.clip_on_device it reads nothing on the host."""
         lr = self.schedule(self.step)
         set_lr(self.optimizer, lr)
         poisoned = (self.step + 1) in self.cfg.debug.nan_loss_steps
-        # Summed on the device: one host sync per step (the all-reduce below), not one per micro-batch.
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.engine.device)
         for micro in range(self.gas):
             batch = {k: v.to(self.engine.device, non_blocking=True) for k, v in next(batches).items()}
@@ -255,27 +271,32 @@ class Trainer:
         flags = torch.stack([loss_sum, (~torch.isfinite(loss_sum)).double(), stop])
         dist.all_reduce(flags)
         if self.optimizer.device_clip is not None:
-            loss_total, nonfinite, stop, norm = self._device_skipped_step(flags)
+            values = self._device_skipped_step(flags)
         else:
-            loss_total, nonfinite, stop, norm = self._host_skipped_step(flags)
+            values = self._host_skipped_step(flags)
+        self.step += 1
+        return QueuedStep(self.step, lr, self.loader.consumed_samples, values)
+
+    def conclude(self, queued: QueuedStep) -> dict:
+        """The step's one host read (it waits for the step's work), and the skip counts it updates."""
+        values = queued.values.tolist() if isinstance(queued.values, torch.Tensor) else queued.values
+        loss_total, nonfinite, stop, norm = values
         # A non-finite global norm cancels the update (our found_inf or ZeRO's own check); counted as a skip.
         skip = nonfinite > 0 or not math.isfinite(norm)
-        self.step += 1
         self.skipped += int(skip)
         self.consecutive_nonfinite = self.consecutive_nonfinite + 1 if skip else 0
-        return {"loss": loss_total / (self.gas * dist.get_world_size()), "lr": lr, "skip": skip,
-                "stop": stop > 0, "grad_norm": norm}
+        return {"step": queued.step, "loss": loss_total / (self.gas * dist.get_world_size()), "lr": queued.lr,
+                "skip": skip, "stop": stop > 0, "grad_norm": norm, "consumed_samples": queued.consumed_samples}
 
-    def _device_skipped_step(self, flags: torch.Tensor) -> list[float]:
-        """The optimizer step with the skip decision on the device, then the step's one host read (loss, the
-        non-finite count, stop flag, gradient norm), after all of its work is queued."""
+    def _device_skipped_step(self, flags: torch.Tensor) -> torch.Tensor:
+        """The optimizer step with the skip decision on the device; the step's values stay there."""
         self.optimizer.skip_flag = flags[1] > 0
         try:
             self.engine.step()
         finally:
             self.optimizer.skip_flag = None
         norm = torch.as_tensor(self.engine.get_global_grad_norm(), dtype=torch.float64, device=flags.device)
-        return torch.cat([flags, norm.reshape(1)]).tolist()
+        return torch.cat([flags, norm.reshape(1)])
 
     def _host_skipped_step(self, flags: torch.Tensor) -> list[float]:
         """ZeRO-3 and offload: the skip decision read on the host before the step (DeepSpeed's clipping reads the
@@ -317,20 +338,21 @@ class Trainer:
         tflops = self.flops_per_token * tokens / step_time / self.plan.world_size / 1e12
         values = {
             "train/loss": result["loss"], "train/lr": result["lr"], "train/grad_norm": result["grad_norm"],
-            "train/skipped_steps": float(self.skipped), "train/consumed_tokens": float(self.loader.consumed_samples
-                                                                                        * self.plan.model.seq_length),
+            "train/skipped_steps": float(self.skipped),
+            "train/consumed_tokens": float(result["consumed_samples"] * self.plan.model.seq_length),
             "perf/tokens_per_s": tokens / step_time, "perf/tflops_per_gpu": tflops,
             "perf/mfu": tflops / self.cfg.logging.peak_tflops, "time/step_s": step_time, **memory_mib(),
         }
-        self.logger.scalars(self.step, values)
+        step = result["step"]
+        self.logger.scalars(step, values)
         self._interval = (self._interval[0] + step_time, self._interval[1] + 1)
-        if self.step % self.cfg.logging.interval == 0 or self.step == self.cfg.train.steps:
-            self.logger.scalars(self.step, model_metrics(self.model))
+        if step % self.cfg.logging.interval == 0 or step == self.cfg.train.steps:
+            self.logger.scalars(step, model_metrics(self.model))
             mean_time = self._interval[0] / self._interval[1]
             self._interval = (0.0, 0)
             scale = step_time / mean_time
-            self.logger.progress(self.step, {**values, "perf/tokens_per_s": values["perf/tokens_per_s"] * scale,
-                                             "perf/tflops_per_gpu": tflops * scale, "perf/mfu": values["perf/mfu"] * scale})
+            self.logger.progress(step, {**values, "perf/tokens_per_s": values["perf/tokens_per_s"] * scale,
+                                        "perf/tflops_per_gpu": tflops * scale, "perf/mfu": values["perf/mfu"] * scale})
 
     def _compile_text(self) -> str:
         eager = eager_mixers(self.plan.model.pattern) if self.compiled else ""
@@ -375,32 +397,56 @@ class Trainer:
         batches = iter(self.loader)
         self.logger.start(self.step)
         code, last_saved = EXIT_OK, self.step if self.resume_tag else None
-        first_compiled = self.compiled
+        self._first_compiled, pending = self.compiled, None
+        self._last_read = time.monotonic()
         while self.step < self.cfg.train.steps:
-            start = time.monotonic()
-            result = self.train_step(batches)
+            queued = self.queue_step(batches)
             if self.cfg.debug.sleep_per_step:
                 time.sleep(self.cfg.debug.sleep_per_step)
-            self._log(result, time.monotonic() - start)
-            if first_compiled:
-                self._report_compile(time.monotonic() - start)
-                first_compiled = False
+            if pending is not None:
+                code = self._conclude_and_log(pending)
+            pending = queued
+            if code == EXIT_OK and not self.consecutive_nonfinite and not self._host_work_after(self.step):
+                continue  # read once the next step is queued: the device never waits for the host between steps
+            latest = self._conclude_and_log(pending)
+            code, pending = code or latest, None
             if self.step % self.cfg.eval.interval == 0:
                 self._evaluate_and_log()
-            if result["stop"] or self.consecutive_nonfinite >= self.cfg.train.max_consecutive_nonfinite:
-                code = EXIT_REQUEUE if result["stop"] else EXIT_NONFINITE
+            if code != EXIT_OK:
                 break
             if self.step % self.cfg.checkpoint.interval == 0:
                 self.save()
                 last_saved = self.step
             if self.step == self.cfg.debug.sigkill_after_step:
                 os.kill(os.getpid(), signal.SIGKILL)
+            self._last_read = time.monotonic()  # the host work above is no step's time
         if code == EXIT_OK and self.step % self.cfg.eval.interval:
             self._evaluate_and_log()
-        path = self.save() if last_saved != self.step else os.path.join(self.cfg.checkpoint_dir, f"step_{self.step:08d}")
+        saved = os.path.join(self.cfg.checkpoint_dir, f"step_{self.step:08d}")
+        path = self.save() if last_saved != self.step else saved
         self.logger.close()
         self._report_end(code, path)
         return code
+
+    def _host_work_after(self, step: int) -> bool:
+        """Whether host work that must see this step's weights or telemetry follows it (evaluation, checkpoint,
+        console line, the last step, the debug kill): such a step is read before the next one is queued."""
+        c = self.cfg
+        return (step >= c.train.steps or step % c.eval.interval == 0 or step % c.checkpoint.interval == 0
+                or step % c.logging.interval == 0 or step == c.debug.sigkill_after_step)
+
+    def _conclude_and_log(self, queued: QueuedStep) -> int:
+        """Read a queued step, log it (its time: since the previous read), and say whether training stops there."""
+        result = self.conclude(queued)
+        now = time.monotonic()
+        step_time, self._last_read = now - self._last_read, now
+        self._log(result, step_time)
+        if self._first_compiled:
+            self._report_compile(step_time)
+            self._first_compiled = False
+        if result["stop"]:
+            return EXIT_REQUEUE
+        return EXIT_NONFINITE if self.consecutive_nonfinite >= self.cfg.train.max_consecutive_nonfinite else EXIT_OK
 
     def _report_compile(self, seconds: float) -> None:
         """After the first compiled step: its time and how much of the compilation the cache served."""
