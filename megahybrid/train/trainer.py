@@ -141,6 +141,7 @@ class Trainer:
         self.num_params = count_parameters(plan.model)
         self.step, self.skipped, self.consecutive_nonfinite, self.consumed_samples = 0, 0, 0, 0
         self._interval = (0.0, 0)  # seconds and steps since the last console line
+        self._first_compiled, self._last_read = False, 0.0  # run: the first step pays the compile; last read time
         self.ckpt = CheckpointManager(self.cfg.checkpoint_dir, self.cfg.checkpoint.keep, warn=self._warn,
                                       hooks=self._checkpoint_hook)
         self.resume_tag = self._resume() if resume else self._refuse_existing()
