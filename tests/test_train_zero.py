@@ -56,10 +56,12 @@ def _single_process_checks(rank, world, root, data_dir):
            for stage in ("zero1", "zero3")}
     reads = _host_reads(os.path.join(root, "reads"), data_dir, world)
     order = _run_order(os.path.join(root, "order"), data_dir, world)
+    order_stop_at_once = _run_order(os.path.join(root, "order_max1"), data_dir, world,
+                                    **{"debug.nan_loss_steps": "[2]", "train.max_consecutive_nonfinite": 1})
     from megahybrid.distributed import shutdown
 
     shutdown()
-    return losses, nan, reads, order
+    return losses, nan, reads, (order, order_stop_at_once)
 
 
 HOST_READS = ("item", "tolist", "__bool__", "__float__", "__int__", "cpu", "numpy")
@@ -113,15 +115,17 @@ def _host_reads(run_dir, data_dir, world):
     return queue_reads, reads
 
 
-def _run_order(run_dir, data_dir, world):
-    """`megahybrid train`'s loop (Trainer.run) over 6 steps, console line every 3rd, a NaN loss at step 4: the
-    order in which steps are queued (q) and read (r), and the steps and skip counts it logged."""
+def _run_order(run_dir, data_dir, world, **overrides):
+    """`megahybrid train`'s loop (Trainer.run) over 6 steps, console line every 3rd, a NaN loss at step 4 unless
+    `overrides` say otherwise: the order in which steps are queued (q) and read (r), and the steps and skip counts
+    it logged."""
     import json
     import os
 
     from megahybrid.train.trainer import Trainer, make_plan
 
-    cfg = train_config(run_dir, data_dir, **{"train.steps": 6, "logging.interval": 3, "debug.nan_loss_steps": "[4]"})
+    cfg = train_config(run_dir, data_dir, **{"train.steps": 6, "logging.interval": 3, "debug.nan_loss_steps": "[4]",
+                                             **overrides})
     trainer = Trainer(make_plan(cfg, world), resume=False)
     events, queue, conclude = [], trainer.queue_step, trainer.conclude
 
@@ -195,9 +199,13 @@ def test_zero_stages_and_tp_match_single_process(data_dir, tmp_path):
     single, nan_checks, reads, order = run_on_ranks(_single_process_checks, 1, str(tmp_path / "one"), data_dir)[0]
     # Each step is read after the next one is queued, except where host work follows it (the console line at
     # steps 3 and 6, the last step) and after a skipped step (the non-finite stop is decided at once)
-    code, events, logged = order
+    (code, events, logged), (code_max1, events_max1, logged_max1) = order
     assert code == 0 and events == "q1 q2 r1 q3 r2 r3 q4 q5 r4 r5 q6 r6".split(), events
     assert logged == [(1, 0), (2, 0), (3, 0), (4, 1), (5, 1), (6, 1)], logged
+    # With train.max_consecutive_nonfinite=1 one non-finite step ends the run: every step is read at once, so
+    # the run stops at the NaN step and no later update is queued
+    assert code_max1 == 4 and events_max1 == "q1 r1 q2 r2".split(), events_max1
+    assert logged_max1 == [(1, 0), (2, 1)], logged_max1
     # queueing the step reads only DeepSpeed's overflow check, in fp32 (bf16 has none; DeepSpeed's clipping read
     # the norm once per param group before); ours is one read (loss, skip, stop, norm), which `run` makes after
     # the next step is queued

@@ -407,7 +407,7 @@ class Trainer:
             if pending is not None:
                 code = self._conclude_and_log(pending)
             pending = queued
-            if code == EXIT_OK and not self.consecutive_nonfinite and not self._host_work_after(self.step):
+            if code == EXIT_OK and not self._read_at_once(self.step):
                 continue  # read once the next step is queued: the device never waits for the host between steps
             latest = self._conclude_and_log(pending)
             code, pending = code or latest, None
@@ -429,12 +429,16 @@ class Trainer:
         self._report_end(code, path)
         return code
 
-    def _host_work_after(self, step: int) -> bool:
-        """Whether host work that must see this step's weights or telemetry follows it (evaluation, checkpoint,
-        console line, the last step, the debug kill): such a step is read before the next one is queued."""
-        c = self.cfg
-        return (step >= c.train.steps or step % c.eval.interval == 0 or step % c.checkpoint.interval == 0
-                or step % c.logging.interval == 0 or step == c.debug.sigkill_after_step)
+    def _read_at_once(self, step: int) -> bool:
+        """Whether this step is read before the next one is queued: host work that must see its weights or
+        telemetry follows it (evaluation, checkpoint, console line, the last step, the debug kill), or its being
+        non-finite would end training (after a skipped step, or when one non-finite step is the limit), which must
+        stop the run at this step with no later update queued."""
+        c, skips = self.cfg, self.consecutive_nonfinite
+        nonfinite_decides = skips > 0 or skips + 1 >= c.train.max_consecutive_nonfinite
+        return (nonfinite_decides or step >= c.train.steps or step % c.eval.interval == 0
+                or step % c.checkpoint.interval == 0 or step % c.logging.interval == 0
+                or step == c.debug.sigkill_after_step)
 
     def _conclude_and_log(self, queued: QueuedStep) -> int:
         """Read a queued step, log it (its time: since the previous read), and say whether training stops there."""
