@@ -36,11 +36,14 @@ def test_bench_cp_stand_in_runs_the_cp_code_on_cpu(tmp_path):
     assert sizes == [2, 4], sizes  # N's attention gathered over stand-in groups of 2 and 4 ranks
     result = json.loads((tmp_path / "bench_cp.json").read_text())
     rows = result["rows"]
-    for key in ("tiny@I cp=2 rank, kernel ms", "tiny@I shard 128 without CP, kernel ms"):  # --profile: cp=2 only
-        assert result["meta"][key]["all kernels"] > 0, result["meta"].keys()
+    for what in ("tiny@I cp=2 rank", "tiny@I shard 128 without CP"):  # --profile: cp=2 only
+        assert result["meta"][f"{what}, kernel ms"]["all kernels"] > 0, result["meta"].keys()
+        waits = result["meta"][f"{what}, waits"]  # no GPU: no sync or allocator count, the idle time still
+        assert waits["host_syncs"] is None and waits["alloc_retries"] is None and "idle_ms" in waits, waits
     assert "tiny@I cp=4 rank, kernel ms" not in result["meta"]
     assert [(r["model"], r["cp"]) for r in rows] == [("tiny@I", 2), ("tiny@I", 4), ("tiny@GN", 2), ("tiny@GN", 4)]
     assert all(r["loss"] == "finite" and r["MiB_sent"] > 0 and r["rank_ms"] > 0 for r in rows), rows
+    assert all(0 < r["rank_host_ms"] <= r["rank_ms"] and 0 < r["no_cp_host_ms"] <= r["no_cp_ms"] for r in rows), rows
 
 
 @pytest.mark.slow

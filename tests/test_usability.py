@@ -7,7 +7,7 @@ from megahybrid.errors import ConfigError
 from megahybrid.model.config import preset
 from tests.dist import run_on_ranks
 from tests.test_train_resume import data_dir  # noqa: F401  (fixture)
-from tests.utils import rel_rms_error
+from tests.utils import rel_rms_error, requires_gpu
 
 RECOMPUTE_SETTINGS = {
     "selective": {"recompute": "selective"},
@@ -314,6 +314,32 @@ def test_kernel_times_add_kernels_whose_cut_names_agree():
               Event(key="_fwd_h_kernel", device_time_total=2000.0), Event(key="aten::mul", device_time_total=9e3)]
     ranked = _tool("benchutil")._ranked_ms(events, cuda=True, iters=2, top=5)
     assert ranked == {"all kernels": 3.0, stem[:70]: 2.0, "_fwd_h_kernel": 1.0}
+
+
+def test_host_waits_report_nothing_without_a_gpu(monkeypatch):
+    """benchutil.host_waits (bench_cp --profile): without a GPU there is no sync or allocator count to take, and it
+    says so with None rather than a zero that would read as 'none found'."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    calls = []
+    waits = _tool("benchutil").host_waits(lambda: calls.append(1))
+    assert waits == {"host_syncs": None, "sync_sites": [], "alloc_retries": None} and calls == [], waits
+
+
+@pytest.mark.gpu
+@requires_gpu
+def test_host_waits_find_a_host_read_and_its_line():
+    """On the GPU: one .item() in the step is one host sync, reported at this file's line; a step that only
+    queues work has none."""
+    import torch
+
+    benchutil = _tool("benchutil")
+    x = torch.ones(1024, device="cuda")
+    quiet = benchutil.host_waits(lambda: x.mul_(1.0))
+    read = benchutil.host_waits(lambda: x.sum().item())
+    assert quiet["host_syncs"] == 0 and quiet["alloc_retries"] == 0, quiet
+    assert read["host_syncs"] >= 1 and any(s.startswith("tests/test_usability.py:") for s in read["sync_sites"]), read
 
 
 def test_kernel_groups_split_a_step_profile_by_kind():

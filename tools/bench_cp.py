@@ -10,6 +10,10 @@ without CP, i.e. what each GPU computes at cp = 1. The bytes each rank sends com
 (`cp_bytes`), and the link time assumes `--link-gbs` GB/s per GPU (an assumption, stated in the results: one
 GPU cannot measure it; the 2-GPU run is issue #19). Predicted weak scaling (cp GPUs on cp x S tokens against
 one GPU on S tokens) = (rank ms + link ms) / no-CP ms; the issue's target is <= 1.1 for `I` and `G` models.
+The `*_host_ms` columns are the host's part of each step (until the step returns, before the device sync). With
+--profile, each profiled step also gets its idle ms (wall less kernels) and its host syncs and allocator retries:
+the compiled 350M `I` rank at f423cf7 took 478.6 ms for 351.7 ms of kernels, where the shard without CP had no
+idle time (tools/results/bench_cp-compiled.md).
 
 The stand-in reproduces the shapes, hence the compute, of a real rank, not its values (the earlier ranks' pieces
 are copies of this rank's: with RoPE offsets and conv halos those are not what any sequence gives); that the
@@ -36,7 +40,7 @@ from megahybrid.model.config import preset  # noqa: E402
 from megahybrid.model.gpt import build_model  # noqa: E402
 from megahybrid.model.mixers import cp_bytes_per_layer, interdomain, nats  # noqa: E402
 from megahybrid.parallel import ParallelLayout  # noqa: E402
-from tools.benchutil import format_table, kernel_ms, save_results  # noqa: E402
+from tools.benchutil import format_table, host_waits, kernel_ms, save_results  # noqa: E402
 
 DEFAULT_MODELS = ["350m-interdomain", "natsl-340m"]
 
@@ -111,19 +115,29 @@ def fwd_bwd(model, tokens) -> float:
     return loss
 
 
-def time_ms(fn, warmup: int, reps: int) -> float:
+def time_ms(fn, warmup: int, reps: int) -> tuple[float, float]:
+    """Median ms of fn() to the device's end, and of its host part alone (until fn returns, before the device
+    sync): a host part near the whole means the host, not the GPU, sets the pace."""
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     for _ in range(warmup):
         fn()
-    times = []
+    times, host = [], []
     for _ in range(reps):
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
+        sync()
         start = time.perf_counter()
         fn()
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
+        host.append((time.perf_counter() - start) * 1e3)
+        sync()
         times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
+    return statistics.median(times), statistics.median(host)
+
+
+def _profile(what: str, step, wall_ms: float) -> dict:
+    """The step's kernel times, and where the device waits: its idle ms (the timed wall ms less the kernels'
+    total) and the host syncs and allocator retries of one call (benchutil.host_waits)."""
+    kernels = kernel_ms(step)
+    waits = {"idle_ms": round(wall_ms - kernels["all kernels"], 3), **host_waits(step)}
+    return {f"{what}, kernel ms": kernels, f"{what}, waits": waits}
 
 
 def rows_for(name: str, args, precision: str, profiles: dict | None = None) -> list[dict]:
@@ -139,19 +153,20 @@ def rows_for(name: str, args, precision: str, profiles: dict | None = None) -> l
         tokens = torch.randint(0, cfg.vocab_size, (1, S), device=next(model.parameters()).device)
         step = lambda: fwd_bwd(model, tokens)  # noqa: E731
         profile = profiles is not None and cp == args.cps[0]
-        no_cp = time_ms(step, args.warmup, args.reps)
+        no_cp, no_cp_host = time_ms(step, args.warmup, args.reps)
         with stand_in_cp(StandInGroup(cp - 1, cp)):
-            rank = time_ms(step, args.warmup, args.reps)
+            rank, rank_host = time_ms(step, args.warmup, args.reps)
             finite = bool(torch.isfinite(step()))
             if profile:
-                profiles[f"{name} cp={cp} rank, kernel ms"] = kernel_ms(step)
+                profiles.update(_profile(f"{name} cp={cp} rank", step, rank))
         if profile:
-            profiles[f"{name} shard {S} without CP, kernel ms"] = kernel_ms(step)
+            profiles.update(_profile(f"{name} shard {S} without CP", step, no_cp))
         per_layer = cp_bytes_per_layer(cfg, cp, 2)
         sent = sum(per_layer[c] for c in cfg.layer_pattern)
         link_ms = sent / (args.link_gbs * 1e9) * 1e3
         rows.append({"model": name, "cp": cp, "shard": S, "no_cp_ms": no_cp, "rank_ms": rank,
-                     "compute_ratio": rank / no_cp, "MiB_sent": sent / 2**20, "link_ms": link_ms,
+                     "no_cp_host_ms": no_cp_host, "rank_host_ms": rank_host, "compute_ratio": rank / no_cp,
+                     "MiB_sent": sent / 2**20, "link_ms": link_ms,
                      "predicted_weak_scaling": (rank + link_ms) / no_cp, "loss": "finite" if finite else "NOT FINITE"})
         del model
         if torch.cuda.is_available():

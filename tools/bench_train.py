@@ -28,7 +28,8 @@ selective, selective_mlp, full and SEQ the row's context (default --seq); every 
 row at the micro-batch of its first row. Results: tools/results/NAME.{json,md} (--name, default bench_train; date,
 GPU and commit in the meta). --profile N adds two profiled steps per row: the top N kernels (printed) and, as
 columns, the profiled step's wall time, its kernel time by group (matmul, attention, optimizer, collectives, copies,
-inductor-fused, other: benchutil.KERNEL_GROUPS) and idle_ms, the part of the step no kernel ran (host-bound time).
+inductor-fused, other: benchutil.KERNEL_GROUPS) and idle_ms, the part of the step no kernel ran (host-bound time),
+and one more step's host syncs and allocator retries (benchutil.host_waits; the lines that synced on stderr).
 """
 import argparse
 import datetime
@@ -53,7 +54,7 @@ COLUMNS = ["system", "preset", "recompute", "micro", "gas", "seq", "compile", "t
            "MFU_meas", "peak_GiB", "step_s", "warmup_s", "status", "commit", "gpu", "date"]  # where and when measured
 # --profile: the profiled steps' wall time, kernel groups per step (benchutil.KERNEL_GROUPS) and time no kernel ran
 PROFILE_COLUMNS = ["prof_step_ms", "busy_ms", "idle_ms", "matmul_ms", "attn_ms", "fused_ms", "optim_ms", "copy_ms",
-                   "comm_ms", "other_ms"]
+                   "comm_ms", "other_ms", "host_syncs", "alloc_retries"]
 DEFAULT_ROWS = ["125m:none:8", "350m:none:8", "1.3b:none:4", "1.3b:selective_mlp:4", "1.3b:full:4"]
 # --suite mixers: every mixer in its issue's preset shape, at 4K and 16K (issue #20), 16 x 4096 tokens per step
 MIXER_SUITE = [f"{model}:none:{micro}:{seq}" for seq, scale in ((4096, 1), (16384, 4))
@@ -212,7 +213,7 @@ def print_profile(step, top: int, title: str) -> dict:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from benchutil import kernel_groups
+    from benchutil import host_waits, kernel_groups
 
     cuda = torch.cuda.is_available()
     sync = torch.cuda.synchronize if cuda else (lambda: None)
@@ -230,7 +231,9 @@ def print_profile(step, top: int, title: str) -> dict:
     groups = kernel_groups({e.key: e.device_time_total if cuda else e.self_cpu_time_total for e in events}, 2)
     groups.update(prof_step_ms=round(wall_ms, 2), idle_ms=round(wall_ms - groups["busy_ms"], 2))
     print("kernel groups (ms per step): " + ", ".join(f"{k} {v}" for k, v in groups.items()), file=sys.stderr)
-    return groups
+    waits = host_waits(step)
+    print(f"host waits of one step: {waits}", file=sys.stderr)
+    return {**groups, "host_syncs": waits["host_syncs"], "alloc_retries": waits["alloc_retries"]}
 
 
 def _child_env() -> dict:

@@ -71,6 +71,36 @@ def peak_memory_mib(fn) -> float:
     return (torch.cuda.max_memory_allocated() - base) / 2**20
 
 
+def host_waits(fn, sites: int = 5) -> dict:
+    """What in one fn() call makes the GPU wait for the host: the synchronizing CUDA calls (torch's sync debug
+    mode; the count and the first `sites` file:line of this repository's code that made them) and the caching
+    allocator's retries (each frees cached blocks, a device-wide sync, and allocates again). None without a GPU."""
+    if not torch.cuda.is_available():
+        return {"host_syncs": None, "sync_sites": [], "alloc_retries": None}
+    import warnings
+
+    torch.cuda.synchronize()
+    retries = torch.cuda.memory_stats().get("num_alloc_retries", 0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    syncs = [w for w in caught if "synchroniz" in str(w.message)]
+    where = sorted({_site(w.filename, w.lineno) for w in syncs})
+    return {"host_syncs": len(syncs), "sync_sites": where[:sites],
+            "alloc_retries": torch.cuda.memory_stats().get("num_alloc_retries", 0) - retries}
+
+
+def _site(filename: str, line: int) -> str:
+    root = Path(__file__).resolve().parents[1]
+    path = Path(filename).resolve()
+    return f"{path.relative_to(root) if path.is_relative_to(root) else path.name}:{line}"
+
+
 def kernel_ms(fn, iters: int = 2, top: int = 25) -> dict:
     """Where fn()'s device time goes: milliseconds per call of its `top` kernels by CUDA time (torch.profiler,
     summed over each kernel's launches, averaged over `iters` calls), largest first, with the total of all.

@@ -16,7 +16,7 @@ by device type are rebound to the GPU's choices). The whole set takes about 13 m
 Triton cache, --quick about 4.
 
     python tools/check_hopper_compile.py            # a table of cases and kernels; exit 1 naming each failure
-    python tools/check_hopper_compile.py --quick    # what the test suite runs (tests/kernels/test_hopper_compile)
+    python tools/check_hopper_compile.py --quick --jobs 2   # what the test suite runs (test_hopper_compile)
 """
 import argparse
 import os
@@ -198,14 +198,16 @@ def _one_line(e: BaseException) -> str:
     return f"{type(inner).__name__}{where}: {last[:300]}"
 
 
-def run(arch: int, T: int, only: str | None, quick: bool) -> int:
+def run_cases(arch: int, T: int, only: str | None, quick: bool, shard: tuple[int, int] = (0, 1)) -> dict:
+    """Compile the cases (those whose index is shard[0] modulo shard[1]): their table rows by case index, the
+    failures and the kernels compiled."""
     rec = Recorder()
     rec.install(arch)
     gpu_choices()
     torch.manual_seed(0)
-    failures, rows = [], []
-    for op, dt, K, V, M, readout in cases(quick):
-        if only and only not in op:
+    failures, rows = [], {}
+    for index, (op, dt, K, V, M, readout) in enumerate(cases(quick)):
+        if (only and only not in op) or index % shard[1] != shard[0]:
             continue
         name = f"{op} {dt} K={K} V={V} M={M}{' readout' if readout else ''}"
         start, t0 = len(rec.compiled), time.time()
@@ -214,23 +216,66 @@ def run(arch: int, T: int, only: str | None, quick: bool) -> int:
         except Exception as e:  # noqa: BLE001  (one line per failing case, then the others still run)
             failures.append(f"{name}: {_one_line(e)}")
         kernels = sorted(set(rec.compiled[start:]))
-        rows.append(f"{name:<48} {time.time() - t0:6.1f} s  {', '.join(kernels) or '-'}")
-    print(f"sm_{arch}, T = {T}: {len(rows)} cases, {len(set(rec.compiled))} kernels")
+        rows[index] = f"{name:<48} {time.time() - t0:6.1f} s  {', '.join(kernels) or '-'}"
+    return {"rows": rows, "failures": failures, "kernels": sorted(set(rec.compiled))}
+
+
+def run_in_processes(argv: list[str], jobs: int) -> dict:
+    """run_cases in `jobs` processes side by side (a compile runs on one core), each one shard of the cases; a
+    process that fails to report is a failure naming the end of its output."""
+    import json
+    import subprocess
+
+    procs = [subprocess.Popen([sys.executable, __file__, *argv, "--shard", f"{i}/{jobs}"], stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for i in range(jobs)]
+    merged = {"rows": {}, "failures": [], "kernels": set()}
+    for i, proc in enumerate(procs):
+        out = proc.communicate()[0]
+        report = next((ln for ln in reversed(out.splitlines()) if ln.startswith(SHARD_MARK)), None)
+        if proc.returncode != 0 or report is None:
+            merged["failures"].append(f"shard {i}/{jobs} exited {proc.returncode}: {out.strip()[-300:]}")
+            continue
+        part = json.loads(report[len(SHARD_MARK):])
+        merged["rows"].update({int(k): v for k, v in part["rows"].items()})
+        merged["failures"] += part["failures"]
+        merged["kernels"] |= set(part["kernels"])
+    return merged
+
+
+SHARD_MARK = "HOPPER_SHARD "  # how a shard process hands its report to the parent
+
+
+def report(arch: int, T: int, result: dict) -> int:
+    rows = [result["rows"][i] for i in sorted(result["rows"])]
+    print(f"sm_{arch}, T = {T}: {len(rows)} cases, {len(set(result['kernels']))} kernels")
     print("\n".join(rows))
-    for f in failures:
+    for f in result["failures"]:
         print(f"FAILED {f}")
-    return 1 if failures or not rows else 0
+    return 1 if result["failures"] or not rows else 0
 
 
 def main(argv=None) -> int:
+    import json
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--arch", type=int, default=90, help="compute capability to compile for (90: H100/H200)")
     ap.add_argument("--tokens", type=int, default=300, help="T of every case (not a multiple of the chunk)")
     ap.add_argument("--only", help="run the cases whose op name contains this")
     ap.add_argument("--quick", action="store_true",
                     help="the test suite's set: fp32 at the presets' two shapes, the NAtS ops in bf16 at natsl-340m's")
+    ap.add_argument("--jobs", type=int, default=1, help="processes compiling side by side (one core each)")
+    ap.add_argument("--shard", help=argparse.SUPPRESS)  # I/N: a --jobs child's part of the cases
     args = ap.parse_args(argv)
-    return run(args.arch, args.tokens, args.only, args.quick)
+    if args.shard:
+        index, count = (int(x) for x in args.shard.split("/"))
+        result = run_cases(args.arch, args.tokens, args.only, args.quick, (index, count))
+        print(SHARD_MARK + json.dumps(result))
+        return 0
+    if args.jobs > 1:
+        child = ["--arch", str(args.arch), "--tokens", str(args.tokens), *(["--only", args.only] if args.only else []),
+                 *(["--quick"] if args.quick else [])]
+        return report(args.arch, args.tokens, run_in_processes(child, args.jobs))
+    return report(args.arch, args.tokens, run_cases(args.arch, args.tokens, args.only, args.quick))
 
 
 if __name__ == "__main__":

@@ -38,9 +38,9 @@ if [ "$mode" = pending ]; then  # every GPU test passed on the H200 (669598c; fl
   # 0056fcb on an H100 (row 30); the model tests with mix_in_input_dtype and the Interdomain kernel tests at a34a4dc
   # on the H200 (rows 31-32); the TF32 op's at f423cf7 on an H100 (row 37). Pending: the training steps with
   # optimizer.clip_on_device (dac7ee7: in bf16 only our device flag cancels a NaN step), every mixer eager and
-  # compiled and the clip/skip against DeepSpeed's; the cross entropy that saves the logits; pinned batches
-  # (about 3 minutes)
-  run_tests train tests/test_train_gpu.py tests/test_loss.py tests/test_data.py
+  # compiled and the clip/skip against DeepSpeed's; the cross entropy that saves the logits; pinned batches;
+  # benchutil.host_waits (the host syncs bench_train/bench_cp --profile count) (about 3 minutes)
+  run_tests train tests/test_train_gpu.py tests/test_loss.py tests/test_data.py tests/test_usability.py
 fi
 if [ "$mode" = s4d ]; then  # #12: the chunked S4D contraction, D's default since it ran 1.9x the FFT compiled (1440cd6,
   # session 21, tests 11 passed): its GPU tests, then FFT against chunks of 32 and 64 tokens, eager and compiled,
@@ -129,7 +129,10 @@ if [ "$mode" = gdn-probe ]; then  # #14: one change at a time to the GDN forward
 fi
 if [ "$mode" = cp ]; then  # #18: one CP rank's compute at cp = 2 for the I and G models (64K context), compiled
   # layer by layer as training compiles, with the kernel times of the rank and of the shard without CP (0056fcb on an
-  # H100, no profile: I 1.59, G 1.20 against the 1.1 target; c7dda94's eager table: I 1.29, G 1.16)
+  # H100, no profile: I 1.59, G 1.20 against the 1.1 target; c7dda94's eager table: I 1.29, G 1.16). At f423cf7
+  # (H100) I 1.63, G 1.23, with 127 / 39 ms of the rank's wall time idle (kernels 1.18x / 1.15x the shard's): the
+  # profile's `waits` entries (idle ms, host syncs and their lines, allocator retries) and the *_host_ms columns say
+  # whether the host or a sync holds the GPU
   timeout -k 5 560 python3 tools/bench_cp.py --models 350m-interdomain natsl-340m@G --cps 2 --compile --profile 2>&1 |
     grep -v -i warn | tail -4
   cp tools/results/bench_cp.md "${OUT:-/tmp}/bench_cp-compiled.md"
