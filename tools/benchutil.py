@@ -55,10 +55,15 @@ def _project_frame(err: Exception) -> str:
     """file:line of the innermost frame of this repository's code in err's traceback (what a failed capture ran)."""
     import traceback
 
-    root = Path(__file__).resolve().parents[1]
-    ours = [(Path(f.filename).resolve(), f.lineno) for f in traceback.extract_tb(err.__traceback__)]
-    ours = [(path, line) for path, line in ours if path.is_relative_to(root)]
-    return f"{ours[-1][0].relative_to(root)}:{ours[-1][1]}" if ours else "no frame of ours"
+    ours = [(_repo_path(f.filename), f.lineno) for f in traceback.extract_tb(err.__traceback__)]
+    ours = [(path, line) for path, line in ours if path is not None]
+    return f"{ours[-1][0]}:{ours[-1][1]}" if ours else "no frame of ours"
+
+
+def _repo_path(filename: str) -> Path | None:
+    """filename relative to this repository's root, or None for a file outside it."""
+    root, path = Path(__file__).resolve().parents[1], Path(filename).resolve()
+    return path.relative_to(root) if path.is_relative_to(root) else None
 
 
 def peak_memory_mib(fn) -> float:
@@ -90,15 +95,9 @@ def host_waits(fn, sites: int = 5) -> dict:
             torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
     syncs = [w for w in caught if "synchroniz" in str(w.message)]
-    where = sorted({_site(w.filename, w.lineno) for w in syncs})
+    where = sorted({f"{_repo_path(w.filename) or Path(w.filename).name}:{w.lineno}" for w in syncs})
     return {"host_syncs": len(syncs), "sync_sites": where[:sites],
             "alloc_retries": torch.cuda.memory_stats().get("num_alloc_retries", 0) - retries}
-
-
-def _site(filename: str, line: int) -> str:
-    root = Path(__file__).resolve().parents[1]
-    path = Path(filename).resolve()
-    return f"{path.relative_to(root) if path.is_relative_to(root) else path.name}:{line}"
 
 
 def kernel_ms(fn, iters: int = 2, top: int = 25) -> dict:

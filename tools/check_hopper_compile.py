@@ -198,6 +198,9 @@ def _one_line(e: BaseException) -> str:
     return f"{type(inner).__name__}{where}: {last[:300]}"
 
 
+SHARD_MARK = "HOPPER_SHARD "  # how a shard process hands its report to the parent
+
+
 def run_cases(arch: int, T: int, only: str | None, quick: bool, shard: tuple[int, int] = (0, 1)) -> dict:
     """Compile the cases (those whose index is shard[0] modulo shard[1]): their table rows by case index, the
     failures and the kernels compiled."""
@@ -231,18 +234,15 @@ def run_in_processes(argv: list[str], jobs: int) -> dict:
     merged = {"rows": {}, "failures": [], "kernels": set()}
     for i, proc in enumerate(procs):
         out = proc.communicate()[0]
-        report = next((ln for ln in reversed(out.splitlines()) if ln.startswith(SHARD_MARK)), None)
-        if proc.returncode != 0 or report is None:
+        line = next((ln for ln in reversed(out.splitlines()) if ln.startswith(SHARD_MARK)), None)
+        if proc.returncode != 0 or line is None:
             merged["failures"].append(f"shard {i}/{jobs} exited {proc.returncode}: {out.strip()[-300:]}")
             continue
-        part = json.loads(report[len(SHARD_MARK):])
+        part = json.loads(line[len(SHARD_MARK):])
         merged["rows"].update({int(k): v for k, v in part["rows"].items()})
         merged["failures"] += part["failures"]
         merged["kernels"] |= set(part["kernels"])
     return merged
-
-
-SHARD_MARK = "HOPPER_SHARD "  # how a shard process hands its report to the parent
 
 
 def report(arch: int, T: int, result: dict) -> int:
